@@ -1,0 +1,103 @@
+"""Load and save drafters in the z-lab / official safetensors layout, and check them against a target."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .atomic import atomic_dir
+from .config import DrafterConfig, config_to_dict, load_config
+from .drafter import DFlashDrafter
+from .errors import FlashdraftError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """'bfloat16' / 'torch.bfloat16' / torch.bfloat16 → torch.bfloat16."""
+    if isinstance(name, torch.dtype):
+        return name
+    key = str(name).replace("torch.", "")
+    if key not in DTYPES:
+        raise FlashdraftError(f"unknown dtype {name!r}; use one of {sorted(DTYPES)}")
+    return DTYPES[key]
+
+
+def build_drafter(cfg: DrafterConfig) -> torch.nn.Module:
+    """Instantiate the module for cfg.arch with randomly initialised weights."""
+    if cfg.arch == "dflash":
+        return DFlashDrafter(cfg)
+    raise FlashdraftError(f"drafter architecture {cfg.arch!r} is not supported by this version of flashdraft")
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors from every *.safetensors file in a directory."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FlashdraftError(f"{path}: no *.safetensors weights found")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            state.update(load_file(str(f)))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise FlashdraftError(f"{f}: unreadable safetensors file ({e}); re-download or re-export it") from None
+    return {k.removeprefix("model."): v for k, v in state.items()}
+
+
+def load_drafter(path: str | Path, dtype: str | torch.dtype | None = None, device: str = "cpu") -> torch.nn.Module:
+    """Load a drafter directory (config.json + safetensors); dtype defaults to the file's torch_dtype."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FlashdraftError(f"drafter {path} is not a directory; pass a folder with config.json and *.safetensors")
+    cfg = load_config(path)
+    state = read_weights(path)
+    model = build_drafter(cfg)
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing:
+        raise FlashdraftError(f"{path}: missing weights {missing[:4]}{' …' if len(missing) > 4 else ''} ({len(missing)} total)")
+    if unexpected:
+        raise FlashdraftError(f"{path}: unexpected weights {unexpected[:4]}{' …' if len(unexpected) > 4 else ''} "
+                              f"({len(unexpected)} total); is config.json the one for these weights?")
+    fc_in = state["fc.weight"].shape[-1]
+    if fc_in != len(cfg.target_layer_ids) * cfg.target_hidden_size:
+        raise FlashdraftError(f"{path}: fc takes {fc_in} features but len(target_layer_ids) * target hidden size = "
+                              f"{len(cfg.target_layer_ids)} * {cfg.target_hidden_size}; config.json and weights disagree")
+    for name, tensor in expected.items():
+        if state[name].shape != tensor.shape:
+            raise FlashdraftError(f"{path}: weight {name} has shape {tuple(state[name].shape)}, "
+                                  f"config.json implies {tuple(tensor.shape)}")
+    model.load_state_dict(state)
+    return model.to(device=device, dtype=parse_dtype(dtype or cfg.torch_dtype)).eval()
+
+
+def save_drafter(model: torch.nn.Module, path: str | Path, dtype: str | torch.dtype | None = None) -> None:
+    """Write config.json + model.safetensors atomically in the official layout (no `model.` prefix)."""
+    cfg: DrafterConfig = model.config
+    dtype = parse_dtype(dtype or next(model.parameters()).dtype)
+    cfg.torch_dtype = str(dtype).replace("torch.", "")
+    state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in model.state_dict().items()}
+    with atomic_dir(path) as tmp:
+        (tmp / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2) + "\n")
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+
+
+def check_compatible(cfg: DrafterConfig, num_layers: int, hidden_size: int, vocab_size: int, where: str) -> None:
+    """One-line errors for a drafter that cannot run on this target."""
+    bad = [i for i in cfg.target_layer_ids if not 0 <= i < num_layers]
+    if bad:
+        raise FlashdraftError(f"{where}: target_layer_ids {bad} are outside the target's layers 0..{num_layers - 1}; "
+                              "this drafter was made for a different target")
+    if cfg.hidden_size != hidden_size:
+        raise FlashdraftError(f"{where}: drafter hidden_size {cfg.hidden_size} != target hidden size {hidden_size}; "
+                              "this drafter was made for a different target")
+    if cfg.vocab_size != vocab_size:
+        raise FlashdraftError(f"{where}: drafter vocab_size {cfg.vocab_size} != target vocabulary {vocab_size}; "
+                              "this drafter was made for a different target")
+    if not 0 <= cfg.mask_token_id < vocab_size:
+        raise FlashdraftError(f"{where}: mask_token_id {cfg.mask_token_id} is outside the target vocabulary 0..{vocab_size - 1}")

@@ -1,0 +1,145 @@
+"""`flashdraft …` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import FlashdraftError
+
+DEFAULT_DTYPE = "float32"
+
+
+class Streamer:
+    """Prints text as tokens are accepted, holding back an incomplete multi-byte character."""
+
+    def __init__(self, target):
+        self.target, self.ids, self.shown = target, [], 0
+
+    def __call__(self, new: list[int]) -> None:
+        self.ids.extend(new)
+        text = self.target.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return
+        sys.stdout.write(text[self.shown:])
+        sys.stdout.flush()
+        self.shown = len(text)
+
+    def close(self) -> None:
+        text = self.target.decode(self.ids)
+        sys.stdout.write(text[self.shown:] + "\n")
+        sys.stdout.flush()
+
+
+def parse_ids(text: str, what: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise FlashdraftError(f"{what} must be comma-separated integers, got {text!r}") from None
+
+
+def add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="speculative decoding of one prompt",
+                       description="Generate with DFlash speculative decoding (lossless: same tokens as the target alone).")
+    p.add_argument("prompt", nargs="?", help="prompt text (chat template applied unless --no-chat)")
+    p.add_argument("--prompt-ids", help="raw prompt token ids, comma-separated (instead of text)")
+    p.add_argument("--no-chat", action="store_true", help="tokenize the prompt as raw text, no chat template")
+    p.add_argument("--target", help="registered name, local HF model dir or hub id (default: smollm2-135m-instruct)")
+    p.add_argument("--drafter", help="drafter directory (z-lab format); default: the one registered for the target")
+    p.add_argument("--block-size", type=int, help="tokens verified per cycle (default: the drafter's block_size; 1 = plain decoding)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=DEFAULT_DTYPE)
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--stop-token-ids", help="comma-separated stop ids (default: the target's EOS ids)")
+    p.add_argument("--json", action="store_true", help="print the machine-readable record instead of streaming text")
+    p.add_argument("--compare-ar", action="store_true", help="also decode plainly and report speedup and identity")
+    p.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    from .decode import check_args, generate_ids
+    from .models import load_drafter_for, load_target
+    from .sampling import SamplingParams
+
+    params = SamplingParams(args.temperature, args.top_k, args.top_p)
+    check_args(args.block_size if args.block_size is not None else 1, args.max_new_tokens)
+    if args.prompt is None and args.prompt_ids is None:
+        raise FlashdraftError("give a prompt: flashdraft generate \"text\" or --prompt-ids 1,2,3")
+    if args.prompt is not None and args.prompt_ids is not None:
+        raise FlashdraftError("give either prompt text or --prompt-ids, not both")
+    prompt_ids = parse_ids(args.prompt_ids, "--prompt-ids") if args.prompt_ids is not None else None
+    if prompt_ids is not None and not prompt_ids:
+        raise FlashdraftError("the prompt is empty; give some text or --prompt-ids")
+    stops = parse_ids(args.stop_token_ids, "--stop-token-ids") if args.stop_token_ids is not None else None
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+    target = load_target(args.target, dtype=args.dtype, device=device)
+    drafter = load_drafter_for(target, args.drafter)
+    block_size = args.block_size
+    if drafter is None:
+        if block_size not in (None, 1):
+            raise FlashdraftError(f"--block-size {block_size} needs a drafter: pass --drafter DIR "
+                                  "(train one with `flashdraft train`) or use --block-size 1")
+        print(f"flashdraft: no drafter registered for {target.name}; decoding plainly. Pass --drafter DIR "
+              "(a z-lab format drafter) or train one with `flashdraft train`.", file=sys.stderr)
+        block_size = 1
+    ids = prompt_ids if prompt_ids is not None else target.encode(args.prompt, chat=not args.no_chat)
+    stops = target.stop_token_ids() if stops is None else stops
+    kw = dict(max_new_tokens=args.max_new_tokens, temperature=params.temperature, top_k=params.top_k,
+              top_p=params.top_p, seed=args.seed, stop_token_ids=stops)
+    if args.compare_ar:  # warm both paths so neither pays first-call costs in the comparison
+        generate_ids(target.model, drafter, ids, block_size=block_size, **{**kw, "max_new_tokens": 4})
+        generate_ids(target.model, None, ids, block_size=1, **{**kw, "max_new_tokens": 4})
+    streamer = None if args.json else Streamer(target)
+    result = generate_ids(target.model, drafter, ids, block_size=block_size, on_tokens=streamer, **kw)
+    result.text = target.decode(result.output_ids)
+    if streamer:
+        streamer.close()
+    record = result.to_record()
+    t = result.timing
+    summary = (f"flashdraft: {result.num_new_tokens} new tokens, τ {result.tau:.2f} over {len(result.cycles)} cycles, "
+               f"{t.tokens_per_s:.1f} tok/s (block {result.config['block_size']}, {args.dtype})")
+    if args.compare_ar:
+        ar = generate_ids(target.model, None, ids, block_size=1, **kw)
+        same = ar.output_ids == result.output_ids
+        speedup = ar.timing.total_s / t.total_s * (result.num_new_tokens / max(ar.num_new_tokens, 1))
+        record["compare_ar"] = {"identical": same, "speedup": speedup, "ar_tokens_per_s": ar.timing.tokens_per_s,
+                                "ar_output_ids": ar.output_ids}
+        note = "" if params.greedy else " (sampling: different random streams, identity not expected)"
+        summary += (f"\nflashdraft: autoregressive {ar.timing.tokens_per_s:.1f} tok/s → speedup {speedup:.2f}x; "
+                    f"outputs identical: {'yes' if same else 'NO'}{note}")
+    if args.json:
+        print(json.dumps(record))
+    print(summary, file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flashdraft", description="Lossless speculative decoding with DFlash drafters.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_generate(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except FlashdraftError as e:
+        print(f"flashdraft: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("flashdraft: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

