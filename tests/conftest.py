@@ -1,0 +1,20 @@
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+from helpers import random_drafter, tiny_target  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    return tiny_target("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3():
+    return tiny_target("qwen3")

@@ -1,0 +1,54 @@
+"""Tiny random targets and drafters built in code (no downloads)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from flashdraft.checkpoint import build_drafter
+from flashdraft.config import drafter_config_for
+
+VOCAB = 96
+MASK_ID = VOCAB - 1  # a row the tiny targets never need to emit
+
+
+def tiny_target(kind: str = "llama", seed: int = 0, vocab: int = VOCAB, layers: int = 4, max_pos: int = 512,
+                init_std: float = 0.2) -> torch.nn.Module:
+    """A 4-layer random causal LM; a wide init gives peaked logits (few near-ties)."""
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=max_pos,
+                  initializer_range=init_std, eos_token_id=None, bos_token_id=None, pad_token_id=None,
+                  tie_word_embeddings=False)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common, rope_theta=10000.0))
+    elif kind == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common, rope_theta=10000.0))
+    else:
+        raise ValueError(kind)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.float().eval()
+
+
+def random_drafter(target: torch.nn.Module, seed: int = 1, num_layers: int = 2, block_size: int = 8,
+                   init_std: float = 0.2, **overrides) -> torch.nn.Module:
+    """A random DFlash drafter shaped for target."""
+    torch.manual_seed(seed)
+    cfg = drafter_config_for(target.config, MASK_ID, num_layers=num_layers, block_size=block_size,
+                             torch_dtype="float32")
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    drafter = build_drafter(cfg)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0, init_std)
+    return drafter.float().eval()
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """The target's own greedy decoding via transformers generate."""
+    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens,
+                         min_new_tokens=0)
+    return out[0, len(prompt):].tolist()
