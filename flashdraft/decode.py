@@ -180,10 +180,11 @@ def decode(model: PreTrainedModel, prompt_ids: list[int], *, block_size: int, ma
             n_acc, nxt = accept_greedy(drafts, out.logits.argmax(-1))
         else:
             n_acc, nxt = accept_sampling(drafts, q if q is not None else out.logits[:0], process(out.logits, params), gen)
-        T.rollback_to(state.target_cache, start + n_acc + 1)
-        if layer_ids:
-            state.add_pending(out.features[: n_acc + 1])
         new, done = _truncate(drafts[:n_acc].tolist() + [nxt], stop, room)
+        # commit the anchor and the drafts that were emitted; the last emitted token is the next anchor
+        T.rollback_to(state.target_cache, start + len(new))
+        if layer_ids:
+            state.add_pending(out.features[: len(new)])
         room -= len(new)
         state.tokens.extend(new)
         timing.draft_s += t2 - t1

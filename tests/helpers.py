@@ -32,10 +32,11 @@ def tiny_target(kind: str = "llama", seed: int = 0, vocab: int = VOCAB, layers: 
 
 
 def random_drafter(target: torch.nn.Module, seed: int = 1, num_layers: int = 2, block_size: int = 8,
-                   init_std: float = 0.2, **overrides) -> torch.nn.Module:
-    """A random DFlash drafter shaped for target."""
+                   init_std: float = 0.2, mask_id: int | None = None, **overrides) -> torch.nn.Module:
+    """A random DFlash drafter shaped for target (mask id: the last vocabulary row)."""
     torch.manual_seed(seed)
-    cfg = drafter_config_for(target.config, MASK_ID, num_layers=num_layers, block_size=block_size,
+    mask_id = target.config.vocab_size - 1 if mask_id is None else mask_id
+    cfg = drafter_config_for(target.config, mask_id, num_layers=num_layers, block_size=block_size,
                              torch_dtype="float32")
     for k, v in overrides.items():
         setattr(cfg, k, v)
@@ -52,3 +53,24 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) ->
     out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens,
                          min_new_tokens=0)
     return out[0, len(prompt):].tolist()
+
+
+def tiny_tokenizer(vocab: int = VOCAB):
+    """A word-level tokenizer over the words t0..t{vocab-1} with a ChatML-like template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"t{i}": i for i in range(vocab)}
+    tok = Tokenizer(models.WordLevel(words, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t1")
+    fast.chat_template = "{% for m in messages %}t2 {{ m['content'] }} t3 {% endfor %}{% if add_generation_prompt %}t4{% endif %}"
+    return fast
+
+
+def save_tiny_model_dir(path, kind: str = "llama", **kw):
+    """Write a tiny target + tokenizer as a local HF model directory; returns the model."""
+    model = tiny_target(kind, **kw)
+    model.save_pretrained(path)
+    tiny_tokenizer(model.config.vocab_size).save_pretrained(path)
+    return model

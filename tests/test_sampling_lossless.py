@@ -1,0 +1,86 @@
+"""Speculative sampling reproduces the target's own sampling distribution (end to end, tiny model)."""
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import flashdraft.decode as decode_mod
+from flashdraft.decode import generate_ids
+from flashdraft.sampling import SamplingParams, process, sample
+from helpers import random_drafter, tiny_target
+
+ALPHA = 1e-3  # false-alarm rate: a correct sampler fails this test once in a thousand seeds
+VOCAB, PROMPT, NEW = 8, [1, 5, 3], 3
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    target = tiny_target("llama", vocab=VOCAB, init_std=0.3, seed=3)
+    drafter = random_drafter(target, init_std=0.3, seed=4)  # its q is far from the target's p
+    return target, drafter
+
+
+@torch.no_grad()
+def exact_distribution(target, params: SamplingParams) -> dict[tuple, float]:
+    """P(x0, x1, x2 | prompt) under plain sampling from the processed target distribution, by enumeration."""
+    probs: dict[tuple, float] = {(): 1.0}
+    for _ in range(NEW):
+        nxt = {}
+        for seq, pr in probs.items():
+            if pr == 0:
+                continue
+            p = process(target(torch.tensor([PROMPT + list(seq)])).logits[0, -1], params)
+            for tok in range(VOCAB):
+                nxt[seq + (tok,)] = pr * float(p[tok])
+        probs = nxt
+    return probs
+
+
+def empirical(target, drafter, params, block_size, n, seed0=0) -> dict[tuple, int]:
+    counts: dict[tuple, int] = {}
+    for s in range(seed0, seed0 + n):
+        out = generate_ids(target, drafter, PROMPT, block_size=block_size, max_new_tokens=NEW,
+                           temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=s)
+        key = tuple(out.output_ids)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def chi2_pvalue(counts: dict[tuple, int], exact: dict[tuple, float]) -> float:
+    """Goodness of fit over the joint of all NEW tokens; cells expected < 5 pooled into one."""
+    n = sum(counts.values())
+    assert all(exact.get(k, 0) > 0 for k in counts), "emitted a sequence the target can never produce"
+    big = [k for k, p in exact.items() if p * n >= 5]
+    obs = [counts.get(k, 0) for k in big]
+    exp = [exact[k] * n for k in big]
+    rest_exp = n - sum(exp)
+    if rest_exp > 1e-9:
+        obs.append(n - sum(obs))
+        exp.append(rest_exp)
+    return chisquare(obs, exp).pvalue
+
+
+CASES = [(SamplingParams(1.0), 3), (SamplingParams(0.8, top_k=5, top_p=0.9), 2)]
+
+
+@pytest.mark.parametrize("params,block_size", CASES)
+def test_speculative_sampling_matches_target(tiny, params, block_size):
+    target, drafter = tiny
+    counts = empirical(target, drafter, params, block_size, 1500)
+    p = chi2_pvalue(counts, exact_distribution(target, params))
+    assert p > ALPHA, f"speculative samples do not follow the target distribution (chi2 p={p:.2e})"
+
+
+def test_accept_all_verifier_fails_the_same_test(tiny, monkeypatch):
+    def accept_all(drafts, q, p, gen):
+        return drafts.shape[0], int(sample(p[-1], gen))
+
+    monkeypatch.setattr(decode_mod, "accept_sampling", accept_all)
+    target, drafter = tiny
+    params, block_size = CASES[0]
+    counts = empirical(target, drafter, params, block_size, 1500)
+    exact = exact_distribution(target, params)
+    impossible = any(exact.get(k, 0) == 0 for k in counts)
+    assert impossible or chi2_pvalue(counts, exact) < ALPHA

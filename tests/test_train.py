@@ -1,0 +1,331 @@
+"""Drafter training: masks, loss, train/inference agreement, prepare → train, resume, DDP, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import MASK_ID, VOCAB, random_drafter, tiny_target
+
+from flashdraft import target as T
+from flashdraft.checkpoint import load_drafter
+from flashdraft.cli import main
+from flashdraft.drafter import ContextCache, draft_block
+from flashdraft.errors import FlashdraftError
+from flashdraft.models import Target, load_target
+from flashdraft.train.data import load_sequences, prepare, read_jsonl_prompts
+from flashdraft.train.loss import block_loss, position_weights, tau_hat, weighted_ce
+from flashdraft.train.mask import eligible_anchors, pad_anchors, sample_anchors, training_mask, training_masks
+from flashdraft.train.trainer import (TrainConfig, block_labels, drafter_hidden, pick_mask_token_id, step_indices,
+                                      train)
+
+CHARS = [chr(c) for c in range(32, 32 + VOCAB - 5)]  # 91 printable characters
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def tiny_tokenizer():
+    """Character-level tokenizer with a chat template: 4 specials + 91 chars = VOCAB - 1 = 95 tokens."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<|im_start|>", "<|im_end|>", "<unused>"]
+    vocab = {t: i for i, t in enumerate(specials + CHARS)}
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+    tk.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<|im_end|>",
+                                  additional_special_tokens=["<|im_start|>", "<unused>"])
+    tok.chat_template = TEMPLATE
+    return tok
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    """A saved tiny Llama target + char tokenizer that stops on <|im_end|> (id 2)."""
+    path = tmp_path_factory.mktemp("tiny_target")
+    model = tiny_target("llama", seed=3)
+    model.config.eos_token_id = 2
+    model.generation_config.eos_token_id = 2
+    model.generation_config.pad_token_id = 0
+    model.save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory) -> Path:
+    g = torch.Generator().manual_seed(0)
+    path = tmp_path_factory.mktemp("prompts") / "p.jsonl"
+    recs = [{"id": str(i), "turns": ["".join(CHARS[j] for j in torch.randint(33, 91, (int(n),), generator=g))]}
+            for i, n in enumerate(torch.randint(4, 12, (24,), generator=g))]
+    path.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def data_dir(tiny_dir, prompts_file, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("data") / "d"
+    target = load_target(str(tiny_dir))
+    prepare(target, read_jsonl_prompts(prompts_file), out, max_new_tokens=40, batch_size=8, shard_size=10,
+            feature_layer_ids=[1, 2], progress=False)
+    return out
+
+
+def tiny_cfg(data: Path, out: Path, **kw) -> TrainConfig:
+    base = dict(data=str(data), out=str(out), block_size=4, num_layers=1, steps=6, batch_size=4, anchors=8,
+                lr=3e-3, dtype="float32", save_dtype="float32", eval_sequences=2, eval_every=3, log_every=3,
+                save_every=3, mask_token_id=MASK_ID)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+# ---------------------------------------------------------------- (a) masks and anchors
+
+def test_mask_every_pair():
+    B, n_ctx = 4, 20
+    anchors, valid = pad_anchors([torch.tensor([3, 9, 15]), torch.tensor([5])])
+    m = training_mask(anchors, n_ctx, B)  # [2, 1, 12, 32]
+    assert m.shape == (2, 1, 3 * B, n_ctx + 3 * B)
+    for b in range(2):
+        for q in range(3 * B):
+            j = q // B
+            a = int(anchors[b, j])
+            for k in range(n_ctx + 3 * B):
+                if k < n_ctx:
+                    want = k < a  # strictly before the anchor: its own features do not exist at inference
+                else:
+                    want = (k - n_ctx) // B == j  # own block, both directions; never another block
+                assert bool(m[b, 0, q, k]) == want, (b, q, k)
+    assert valid.tolist() == [[True, True, True], [True, False, False]]
+
+
+def test_sliding_mask_is_windowed_and_causal():
+    anchors = torch.tensor([[6, 12]])
+    masks = training_masks(["sliding_attention", "full_attention"], anchors, 16, 4, sliding_window=3)
+    s, f = masks["sliding_attention"][0, 0], masks["full_attention"][0, 0]
+    kpos = list(range(16)) + [6, 7, 8, 9, 12, 13, 14, 15]
+    qpos = [6, 7, 8, 9, 12, 13, 14, 15]
+    for qi, qp in enumerate(qpos):
+        for ki, kp in enumerate(kpos):
+            assert bool(s[qi, ki]) == (bool(f[qi, ki]) and 0 <= qp - kp < 3), (qi, ki)
+
+
+def test_anchor_sampling():
+    lm = torch.tensor([0] * 5 + [1] * 10 + [0] * 2 + [1] * 6, dtype=torch.bool)  # two supervised runs
+    B = 4
+    assert eligible_anchors(lm, B).tolist() == list(range(5, 12)) + list(range(17, 20))
+    assert eligible_anchors(lm[:3], B).tolist() == []
+    g = torch.Generator().manual_seed(0)
+    draws = [sample_anchors(lm, B, 5, g) for _ in range(4)]
+    for a in draws:
+        assert len(a) == 5 and a.tolist() == sorted(set(a.tolist()))
+        assert all(bool(lm[x:x + B].all()) and x + B <= len(lm) for x in a.tolist())
+    assert len({tuple(a.tolist()) for a in draws}) > 1  # re-sampled every step
+    assert len(sample_anchors(lm, B, 100, g)) == 10
+
+
+# ---------------------------------------------------------------- loss
+
+def test_loss_weights_tau_and_chunking():
+    w = position_weights(16)
+    assert w.shape == (15,) and torch.allclose(w[:3], torch.exp(-torch.arange(3.0) / 7))
+    assert torch.allclose(position_weights(10)[1], torch.exp(torch.tensor(-1 / 5)))
+    assert torch.allclose(position_weights(8)[1], torch.exp(torch.tensor(-1 / 4)))
+    correct = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
+    assert tau_hat(correct) == pytest.approx(1 + (2 + 0 + 4) / 3)
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 11, bias=False)
+    h = torch.randn(7, 3, 8, requires_grad=True)
+    y = torch.randint(0, 11, (7, 3))
+    w = position_weights(4)
+    ref = sum(w[k] * torch.nn.functional.cross_entropy(head(h[m, k]), y[m, k]) for m in range(7) for k in range(3))
+    num, cor = block_loss(h, y, w, head, chunk_rows=6)  # 2 rows per checkpointed chunk
+    assert torch.allclose(num, ref, atol=1e-5)
+    assert torch.equal(cor, head(h).argmax(-1) == y)
+    g1 = torch.autograd.grad(num, h)[0]
+    g2 = torch.autograd.grad(weighted_ce(head(h), y, w), h)[0]
+    assert torch.allclose(g1, g2, atol=1e-6)
+
+
+# ---------------------------------------------------------------- (b) training forward == inference forward
+
+@pytest.mark.parametrize("layer_types", [None, ["sliding_attention", "full_attention"]])
+def test_training_forward_matches_draft_block(tiny_llama, layer_types):
+    over = {"layer_types": layer_types, "sliding_window": 5} if layer_types else {}
+    drafter = random_drafter(tiny_llama, block_size=8, **over)
+    B, n = 8, 40
+    ids = torch.randint(0, VOCAB - 1, (1, n), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = tiny_llama(input_ids=ids, output_hidden_states=True)
+        feats = torch.cat([out.hidden_states[i + 1] for i in drafter.config.target_layer_ids], -1)
+        anchors = torch.tensor([[3, 11, 20, 32]])
+        hidden = drafter_hidden(drafter, drafter, T.embed(tiny_llama), feats, ids, anchors, MASK_ID)
+        train_logits = drafter.logits(hidden[:, :, 1:], T.lm_head(tiny_llama))[0]  # [N, B-1, V]
+        for j, a in enumerate(anchors[0].tolist()):
+            block = torch.tensor([int(ids[0, a])] + [MASK_ID] * (B - 1))
+            ref = draft_block(drafter, ContextCache(), feats[:, :a], T.embed(tiny_llama)(block)[None], a,
+                              T.lm_head(tiny_llama))
+            assert torch.allclose(train_logits[j], ref, atol=1e-4, rtol=1e-4), (a, (train_logits[j] - ref).abs().max())
+    labels = block_labels(ids, anchors, B)
+    assert labels[0, 1].tolist() == ids[0, 12:19].tolist()
+
+
+# ---------------------------------------------------------------- prepare
+
+def test_prepare_format_and_resume(tiny_dir, prompts_file, data_dir, tmp_path):
+    meta = json.loads((data_dir / "meta.json").read_text())
+    assert meta["feature_layer_ids"] == [1, 2] and meta["max_new_tokens"] == 40
+    assert sorted(p.name for p in data_dir.glob("shard_*")) == ["shard_00000", "shard_00001", "shard_00002"]
+    seqs = load_sequences(data_dir, features=True)
+    target = load_target(str(tiny_dir))
+    prompts = read_jsonl_prompts(prompts_file)
+    assert len(seqs) == len(prompts)
+    enc = target.encode(prompts[0])
+    s = seqs[0]
+    assert s.input_ids[: len(enc)].tolist() == enc and not s.loss_mask[: len(enc)].any()
+    resp = s.input_ids[len(enc):].tolist()
+    assert s.loss_mask[len(enc):].all() and 0 < len(resp) <= 40
+    assert (2 not in resp[:-1]) and (resp[-1] == 2) == s.finished
+    ar = target.model.generate(torch.tensor([enc]), do_sample=False, max_new_tokens=40, eos_token_id=2, pad_token_id=0)
+    assert resp == ar[0, len(enc):len(enc) + len(resp)].tolist()  # the target's own greedy answer
+    with torch.no_grad():
+        hs = target.model(input_ids=s.input_ids[None], output_hidden_states=True).hidden_states
+    ref = torch.cat([hs[2][0], hs[3][0]], -1)
+    assert s.features.dtype == torch.bfloat16 and torch.allclose(s.features.float(), ref, atol=0.05, rtol=0.02)
+    # resume: a finished shard is kept as is; a missing one is regenerated identically
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(data_dir, copy)
+    shutil.rmtree(copy / "shard_00001")
+    before = (copy / "shard_00000" / "tokens.safetensors").stat().st_mtime_ns
+    prepare(target, prompts, copy, max_new_tokens=40, batch_size=8, shard_size=10, feature_layer_ids=[1, 2],
+            progress=False)
+    assert (copy / "shard_00000" / "tokens.safetensors").stat().st_mtime_ns == before
+    assert (copy / "shard_00001" / "tokens.safetensors").read_bytes() == \
+        (data_dir / "shard_00001" / "tokens.safetensors").read_bytes()
+    with pytest.raises(FlashdraftError, match="different settings"):
+        prepare(target, prompts, copy, max_new_tokens=41, batch_size=8, shard_size=10, progress=False)
+
+
+def test_pick_mask_token_id():
+    tok = tiny_tokenizer()
+    assert len(tok) == VOCAB - 1
+    assert pick_mask_token_id(tok, VOCAB) == VOCAB - 1  # a spare embedding row
+    assert pick_mask_token_id(tok, VOCAB - 1) == 3  # <unused>: special, not eos/pad, not in the chat template
+
+
+# ---------------------------------------------------------------- (c) end to end through the CLI
+
+def test_cli_prepare_train_reduces_loss(tiny_dir, prompts_file, tmp_path, capsys):
+    data, out = tmp_path / "data", tmp_path / "ckpt"
+    assert main(["prepare", str(data), "--prompts", str(prompts_file), "--target", str(tiny_dir),
+                 "--max-new-tokens", "40", "--batch-size", "8", "--shard-size", "12"]) == 0
+    err = capsys.readouterr().err
+    assert "24 sequences" in err and "on disk" in err
+    assert main(["train", "--data", str(data), "--out", str(out), "--target", str(tiny_dir), "--num-layers", "1",
+                 "--block-size", "4", "--steps", "40", "--batch-size", "4", "--anchors", "16", "--lr", "3e-3",
+                 "--dtype", "float32", "--eval-sequences", "2", "--eval-every", "20", "--log-every", "20",
+                 "--save-every", "20"]) == 0
+    err = capsys.readouterr().err
+    assert "mask id 95" in err and "τ̂" in err and "blocks/s" in err
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and rows[-1]["eval_loss"] < rows[0]["eval_loss"] < 4.6 and rows[-1]["loss"] < rows[0]["loss"]
+    drafter = load_drafter(out / "step_0000040")  # a z-lab drafter the decoder can load
+    assert drafter.config.block_size == 4 and drafter.config.mask_token_id == MASK_ID
+    assert (out / "latest").read_text().strip() == "step_0000040"
+
+
+def test_offline_training(data_dir, tiny_dir, tmp_path):
+    target = load_target(str(tiny_dir))
+    cfg = tiny_cfg(data_dir, tmp_path / "off", offline=True, num_layers=2, steps=3)
+    with pytest.raises(FlashdraftError, match="target layers"):  # 1-layer drafter wants layer [2], stored [1, 2]
+        train(tiny_cfg(data_dir, tmp_path / "bad", offline=True, steps=1), target=target, log=lambda *a, **k: None)
+    res = train(cfg, target=target, log=lambda *a, **k: None)
+    assert res["final_step"] == 3 and torch.isfinite(torch.tensor(res["loss"]))
+
+
+# ---------------------------------------------------------------- (d) resume bit-for-bit
+
+def test_resume_is_bit_for_bit(data_dir, tiny_dir, tmp_path):
+    target = load_target(str(tiny_dir))
+    quiet = lambda *a, **k: None  # noqa: E731
+    full = train(tiny_cfg(data_dir, tmp_path / "a", kl_weight=0.5), target=target, log=quiet)
+    part = train(tiny_cfg(data_dir, tmp_path / "b", kl_weight=0.5, stop_after=3), target=target, log=quiet)
+    assert part["final_step"] == 3 and (tmp_path / "b" / "latest").read_text().strip() == "step_0000003"
+    with pytest.raises(FlashdraftError, match="--resume"):
+        train(tiny_cfg(data_dir, tmp_path / "b", kl_weight=0.5), target=target, log=quiet)
+    with pytest.raises(FlashdraftError, match="lr was"):
+        train(tiny_cfg(data_dir, tmp_path / "b", kl_weight=0.5, lr=1e-3, resume=True), target=target, log=quiet)
+    resumed = train(tiny_cfg(data_dir, tmp_path / "b", kl_weight=0.5, resume=True), target=target, log=quiet)
+    a, b = full["drafter"].state_dict(), resumed["drafter"].state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    sa = torch.load(tmp_path / "a" / "step_0000006" / "train_state.pt", weights_only=False)
+    sb = torch.load(tmp_path / "b" / "step_0000006" / "train_state.pt", weights_only=False)
+    assert all(torch.equal(x["exp_avg_sq"], y["exp_avg_sq"])
+               for x, y in zip(sa["optimizer"]["state"].values(), sb["optimizer"]["state"].values()))
+
+
+def test_data_order_is_a_pure_function_of_step():
+    assert step_indices(5, 10, 4, 0) == step_indices(5, 10, 4, 0)
+    epoch0 = step_indices(0, 10, 5, 0) + step_indices(1, 10, 5, 0)
+    assert sorted(epoch0) == list(range(10))
+
+
+# ---------------------------------------------------------------- (e) DDP == one process
+
+def test_torchrun_ddp_matches_single_process(data_dir, tiny_dir, tmp_path):
+    args = ["train", "--data", str(data_dir), "--out", "{out}", "--target", str(tiny_dir), "--num-layers", "2",
+            "--block-size", "4", "--steps", "2", "--batch-size", "4", "--anchors", "8", "--lr", "1e-3",
+            "--dtype", "float32", "--save-dtype", "float32", "--eval-sequences", "2", "--threads", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ddp = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29533",
+           "-m", "flashdraft.cli"] + [a.format(out=tmp_path / "ddp") for a in args]
+    r = subprocess.run(ddp, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "2 process(es)" in r.stderr
+    assert main([a.format(out=tmp_path / "one") for a in args]) == 0
+    a = load_drafter(tmp_path / "ddp" / "step_0000002").state_dict()
+    b = load_drafter(tmp_path / "one" / "step_0000002").state_dict()
+    diff = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert diff < 1e-5, diff  # same data, anchors and global normalisation; only the all-reduce order differs
+
+
+# ---------------------------------------------------------------- (f) bad input
+
+@pytest.mark.parametrize("argv, msg", [
+    (["prepare", "{tmp}/o"], "give prompts"),
+    (["prepare", "{tmp}/o", "--prompts", "{tmp}/missing.jsonl"], "not found"),
+    (["prepare", "{tmp}/o", "--prompts", "{tmp}/bad.jsonl"], "not valid JSON"),
+    (["prepare", "{tmp}/o", "--prompts", "{tmp}/noturns.jsonl"], "no prompt found"),
+    (["prepare", "{tmp}/o", "--prompts", "{tmp}/bad.jsonl", "--max-samples", "0"], "--max-samples"),
+    (["train", "--data", "{tmp}/nodata", "--out", "{tmp}/c"], "not a prepared data directory"),
+    (["train", "--data", "{tmp}", "--out", "{tmp}/c", "--steps", "0"], "--steps must be >= 1"),
+    (["train", "--data", "{tmp}", "--out", "{tmp}/c", "--batch-size", "3", "--lr", "-1"], "--lr must be > 0"),
+])
+def test_bad_input_is_one_line_exit_2(argv, msg, tmp_path, capsys):
+    (tmp_path / "bad.jsonl").write_text('{"turns": ["ok"]}\n{"turns": [\n')
+    (tmp_path / "noturns.jsonl").write_text('{"id": 1}\n')
+    assert main([a.format(tmp=tmp_path) for a in argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("flashdraft: error:") and msg in err, err
+
+
+def test_api_errors(data_dir, tiny_dir, tmp_path):
+    target = load_target(str(tiny_dir))
+    with pytest.raises(FlashdraftError, match="--kl-weight needs"):
+        train(tiny_cfg(data_dir, tmp_path / "x", offline=True, kl_weight=1.0), target=target)
+    with pytest.raises(FlashdraftError, match="response of at least"):
+        train(tiny_cfg(data_dir, tmp_path / "x", block_size=64), target=target)
+    with pytest.raises(FlashdraftError, match="no prompts"):
+        prepare(target, [], tmp_path / "y")
+    with pytest.raises(FlashdraftError, match="outside the target's layers"):
+        prepare(target, ["hi"], tmp_path / "y", feature_layer_ids=[9])
+    other = Target(tiny_target("llama", vocab=50), target.tokenizer, "small")
+    with pytest.raises(FlashdraftError, match="outside the target vocabulary"):
+        train(tiny_cfg(data_dir, tmp_path / "z", mask_token_id=3), target=other)
