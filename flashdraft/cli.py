@@ -67,6 +67,7 @@ def cmd_generate(args) -> int:
     from .decode import check_args, generate_ids
     from .models import load_drafter_for, load_target
     from .sampling import SamplingParams
+    from .target import check_prompt
 
     params = SamplingParams(args.temperature, args.top_k, args.top_p)
     check_args(args.block_size if args.block_size is not None else 1, args.max_new_tokens)
@@ -81,6 +82,8 @@ def cmd_generate(args) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
 
     target = load_target(args.target, dtype=args.dtype, device=device)
+    ids = prompt_ids if prompt_ids is not None else target.encode(args.prompt, chat=not args.no_chat)
+    check_prompt(target.model, ids)
     drafter = load_drafter_for(target, args.drafter)
     block_size = args.block_size
     if drafter is None:
@@ -90,7 +93,6 @@ def cmd_generate(args) -> int:
         print(f"flashdraft: no drafter registered for {target.name}; decoding plainly. Pass --drafter DIR "
               "(a z-lab format drafter) or train one with `flashdraft train`.", file=sys.stderr)
         block_size = 1
-    ids = prompt_ids if prompt_ids is not None else target.encode(args.prompt, chat=not args.no_chat)
     stops = target.stop_token_ids() if stops is None else stops
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=params.temperature, top_k=params.top_k,
               top_p=params.top_p, seed=args.seed, stop_token_ids=stops)
@@ -125,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashdraft", description="Lossless speculative decoding with DFlash drafters.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate(sub)
+    from .train.cli import add_train_commands; add_train_commands(sub)
+    from .bench import add_bench; add_bench(sub)  # noqa: E702
     return parser
 
 

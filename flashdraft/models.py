@@ -44,6 +44,8 @@ class Target:
         if not prompt:
             raise FlashdraftError("the prompt is empty; give some text or --prompt-ids")
         tok = self.tokenizer
+        if tok is None:
+            raise FlashdraftError(f"target {self.name} has no tokenizer; pass token ids with --prompt-ids")
         if chat and getattr(tok, "chat_template", None):
             ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                           tokenize=True, return_dict=False)
@@ -51,7 +53,7 @@ class Target:
         return tok(prompt, add_special_tokens=True)["input_ids"]
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
     def stop_token_ids(self) -> list[int]:
         """The ids `model.generate` stops on: generation_config.eos_token_id (int or list)."""
@@ -127,12 +129,15 @@ def load_target(name: str | None = None, dtype: str | torch.dtype = "float32", d
     hf_logging.disable_progress_bar()
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(dtype), local_files_only=local)
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local)
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise FlashdraftError(f"could not load target {name!r}: {first}") from None
     finally:
         hf_logging.enable_progress_bar()
+    try:  # a weights-only directory still decodes --prompt-ids
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local)
+    except (OSError, ValueError, TypeError):
+        tokenizer = None
     return Target(model.to(device).eval(), tokenizer, name)
 
 

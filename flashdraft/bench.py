@@ -1,0 +1,487 @@
+"""`flashdraft bench`: ar / hf / hf-lookup / dflash on the same prompts, target, dtype and machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+from .errors import FlashdraftError
+
+HUB_DATASETS = {  # name → (hub id, config, split, record → turns)
+    "gsm8k": ("openai/gsm8k", "main", "test", lambda r: [r["question"]]),
+    "math500": ("HuggingFaceH4/MATH-500", None, "test", lambda r: [r["problem"]]),
+    "humaneval": ("openai/openai_humaneval", None, "test", lambda r: [r["prompt"]]),
+    "mbpp": ("google-research-datasets/mbpp", "full", "test", lambda r: [r["text"]]),
+    "mt-bench": ("HuggingFaceH4/mt_bench_prompts", None, "train", lambda r: list(r["prompt"])),
+    "alpaca": ("tatsu-lab/alpaca", None, "train",
+               lambda r: [r["instruction"] + ("\n\n" + r["input"] if r.get("input") else "")]),
+}
+ALL_METHODS = "ar,hf,hf-lookup,dflash"
+
+
+@dataclass
+class Settings:
+    """What a method needs besides the target and the prompt."""
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    drafter: object | None = None  # a loaded drafter module
+    block_size: int | None = None
+    lookup_tokens: int = 10
+
+
+@dataclass
+class Sample:
+    """One generation: output, time to first token, total time, and per-cycle stats where the method has them."""
+
+    output_ids: list[int]
+    ttft_s: float
+    total_s: float
+    first_tokens: int = 1  # tokens that arrived with the first token (prefill); the rest count as decoding
+    acceptance_lengths: list[int] = field(default_factory=list)
+    draft_s: float | None = None  # None: the method has no per-cycle split
+    verify_s: float | None = None
+    other_s: float | None = None
+
+
+Method = Callable[[object, list[int], Settings], Sample]
+
+
+# ---------------------------------------------------------------- methods
+
+def _flashdraft(target, ids: list[int], s: Settings, drafter, block_size: int) -> Sample:
+    from .decode import generate_ids
+
+    r = generate_ids(target.model, drafter, ids, block_size=block_size, max_new_tokens=s.max_new_tokens,
+                     temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
+                     stop_token_ids=s.stop_token_ids)
+    t = r.timing
+    return Sample(r.output_ids, t.prefill_s, t.total_s, 1, r.acceptance_lengths, t.draft_s, t.verify_s, t.other_s)
+
+
+def run_ar(target, ids: list[int], s: Settings) -> Sample:
+    """flashdraft's own loop at block size 1 (the reference)."""
+    return _flashdraft(target, ids, s, None, 1)
+
+
+def run_dflash(target, ids: list[int], s: Settings) -> Sample:
+    """DFlash speculative decoding with s.drafter at s.block_size."""
+    return _flashdraft(target, ids, s, s.drafter, s.block_size or s.drafter.config.block_size)
+
+
+class _Clock:
+    """A `generate` streamer that timestamps each chunk of new tokens (the first put is the prompt)."""
+
+    def __init__(self):
+        self.t0, self.prompt_seen, self.times, self.chunks = time.perf_counter(), False, [], []
+
+    def put(self, value) -> None:
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+        self.chunks.append(value.reshape(-1).tolist())
+
+    def end(self) -> None:
+        pass
+
+
+def _hf(target, ids: list[int], s: Settings, **extra) -> Sample:
+    """transformers `generate` (greedy, or sampling with the same settings), timed per chunk by a streamer."""
+    import torch
+
+    model = target.model
+    clock = _Clock()
+    stops = list(s.stop_token_ids)
+    kw = dict(do_sample=not s.temperature == 0, max_new_tokens=s.max_new_tokens, min_new_tokens=0,
+              eos_token_id=stops or None, pad_token_id=stops[0] if stops else 0, streamer=clock)
+    if s.temperature > 0:
+        kw.update(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+        torch.manual_seed(s.seed)
+    x = torch.tensor([ids], device=model.device)
+    clock.t0 = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(x, attention_mask=torch.ones_like(x), **kw, **extra)
+    total = time.perf_counter() - clock.t0
+    out, chunks = [], []
+    for chunk in clock.chunks:  # cut right after the first stop token, as flashdraft does
+        cut = next((i + 1 for i, t in enumerate(chunk) if t in stops), None)
+        out.extend(chunk[:cut])
+        chunks.append(len(chunk[:cut]))
+        if cut is not None:
+            break
+    ttft = clock.times[0] - clock.t0 if clock.times else total
+    return Sample(out, ttft, total, chunks[0] if chunks else 0, chunks)
+
+
+def run_hf(target, ids: list[int], s: Settings) -> Sample:
+    """transformers `model.generate`."""
+    return _hf(target, ids, s)
+
+
+def run_hf_lookup(target, ids: list[int], s: Settings) -> Sample:
+    """transformers prompt-lookup decoding (`prompt_lookup_num_tokens`)."""
+    return _hf(target, ids, s, prompt_lookup_num_tokens=s.lookup_tokens)
+
+
+METHODS: dict[str, Method] = {"ar": run_ar, "hf": run_hf, "hf-lookup": run_hf_lookup, "dflash": run_dflash}
+DRAFTER_METHODS = {"dflash"}  # methods swept over --drafter × --block-size
+
+
+# ---------------------------------------------------------------- datasets
+
+@dataclass
+class Prompt:
+    id: str
+    turns: list[str]
+
+
+def load_jsonl(path: Path, label: str) -> list[Prompt]:
+    """Records in the {"id": ..., "turns": [...]} shape."""
+    prompts = []
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise FlashdraftError(f"cannot read dataset {path}: {e}") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise FlashdraftError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        turns = rec.get("turns") if isinstance(rec, dict) else None
+        if not (isinstance(turns, list) and turns and all(isinstance(t, str) and t for t in turns)):
+            raise FlashdraftError(f'{path}:{n}: expected {{"turns": ["non-empty prompt", ...]}}')
+        prompts.append(Prompt(str(rec.get("id", f"{label}-{len(prompts)}")), turns))
+    if not prompts:
+        raise FlashdraftError(f"dataset {path} has no records")
+    return prompts
+
+
+def load_hub(name: str) -> list[Prompt]:
+    """A known benchmark from the Hugging Face hub via `datasets` (imported only here)."""
+    hub_id, config, split, to_turns = HUB_DATASETS[name]
+    try:
+        import datasets
+        ds = datasets.load_dataset(hub_id, config, split=split)
+    except ImportError:
+        raise FlashdraftError(f"dataset {name!r} needs the `datasets` package (pip install datasets), "
+                              "or pass a local JSONL path") from None
+    except Exception as e:  # network / hub errors come in many types
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise FlashdraftError(f"could not load dataset {name!r} ({hub_id}) from the Hugging Face hub: {first}; "
+                              "pass a local JSONL path instead") from None
+    return [Prompt(f"{name}-{i}", to_turns(r)) for i, r in enumerate(ds)]
+
+
+def parse_dataset(arg: str) -> tuple[str, str]:
+    """'NAME=PATH' → (NAME, PATH); 'PATH' → (file stem, PATH); 'gsm8k' → ('gsm8k', 'gsm8k')."""
+    if "=" in arg and not Path(arg).exists():
+        label, src = arg.split("=", 1)
+        if not label or not src:
+            raise FlashdraftError(f"--dataset {arg!r}: use NAME=PATH, a JSONL path or one of {sorted(HUB_DATASETS)}")
+        return label, src
+    return (Path(arg).stem if Path(arg).suffix else arg), arg
+
+
+def load_dataset(label: str, src: str, max_samples: int | None, seed: int) -> list[Prompt]:
+    """A local JSONL or a hub name, sub-sampled to max_samples with a fixed seed (dataset order kept)."""
+    if Path(src).is_file():
+        prompts = load_jsonl(Path(src), label)
+    elif src in HUB_DATASETS:
+        prompts = load_hub(src)
+    else:
+        raise FlashdraftError(f"--dataset {src!r} is neither a file nor one of {sorted(HUB_DATASETS)}")
+    if max_samples is not None and len(prompts) > max_samples:
+        keep = sorted(random.Random(seed).sample(range(len(prompts)), max_samples))
+        prompts = [prompts[i] for i in keep]
+    return prompts
+
+
+def encode_turn(target, turns: list[str], answers: list[str], prev: list[int] | None, prev_out: list[int] | None,
+                chat: bool) -> list[int]:
+    """Prompt ids for turn len(answers): earlier turns are replayed with the model's own answers (MT-Bench style)."""
+    k = len(answers)
+    tok = target.tokenizer
+    if k == 0:
+        return target.encode(turns[0], chat=chat)
+    if chat and getattr(tok, "chat_template", None):
+        msgs = []
+        for t, a in zip(turns[:k], answers):
+            msgs += [{"role": "user", "content": t}, {"role": "assistant", "content": a}]
+        msgs.append({"role": "user", "content": turns[k]})
+        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    return prev + prev_out + tok("\n\n" + turns[k], add_special_tokens=False)["input_ids"]
+
+
+# ---------------------------------------------------------------- results directory
+
+def load_records(path: Path) -> list[dict]:
+    """Finished samples; a torn last line (crash mid-append) is dropped and the file repaired."""
+    if not path.is_file():
+        return []
+    text = path.read_text()
+    records, good = [], []
+    for line in text.splitlines():
+        try:
+            records.append(json.loads(line))
+            good.append(line)
+        except json.JSONDecodeError:
+            continue
+    if len(good) != len([ln for ln in text.splitlines() if ln.strip()]) or (text and not text.endswith("\n")):
+        from .atomic import write_text
+        write_text(path, "".join(ln + "\n" for ln in good))
+    return records
+
+
+def append_record(path: Path, record: dict) -> None:
+    """Append one JSON line with a single write (line-atomic for one writer) and fsync."""
+    data = (json.dumps(record) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def check_run(out: Path, config: dict, variants: dict[str, dict]) -> None:
+    """Refuse to resume into a directory produced with different settings; record this run's settings."""
+    from .atomic import write_text
+
+    path = out / "run.json"
+    old = json.loads(path.read_text()) if path.is_file() else {"config": config, "variants": {}}
+    if old["config"] != config:
+        diff = sorted(k for k in set(config) | set(old["config"]) if config.get(k) != old["config"].get(k))
+        raise FlashdraftError(f"{out} holds a run with different settings ({', '.join(diff)}); "
+                              "use another --out or the same settings to resume")
+    for label, desc in variants.items():
+        if label in old["variants"] and old["variants"][label] != desc:
+            raise FlashdraftError(f"{out}: method {label!r} was run with {old['variants'][label]}, now {desc}; "
+                                  "use another --out")
+    write_text(path, json.dumps({"config": config, "variants": {**old["variants"], **variants}}, indent=2) + "\n")
+
+
+# ---------------------------------------------------------------- the run
+
+@dataclass
+class Variant:
+    label: str
+    method: str
+    settings: Settings
+    desc: dict
+
+
+def build_variants(target, methods: list[str], drafters: list[str | None], block_sizes: list[int],
+                   base: Settings) -> list[Variant]:
+    """One Variant per method, and per (drafter, block size) for drafter methods; labels are stable names."""
+    from .models import load_drafter_for
+
+    out = []
+    for m in methods:
+        if m not in DRAFTER_METHODS:
+            out.append(Variant(m, m, base, {"method": m}))
+            continue
+        for d in drafters:
+            drafter = load_drafter_for(target, d)
+            if drafter is None:
+                raise FlashdraftError(f"method {m} needs a drafter and none is registered for {target.name}: "
+                                      "pass --drafter DIR (or train one with `flashdraft train`)")
+            for b in block_sizes or [drafter.config.block_size]:
+                if b < 2:
+                    raise FlashdraftError(f"--block-size {b}: {m} needs a block size >= 2 (block size 1 is `ar`)")
+                single = len(drafters) == 1 and len(block_sizes) <= 1
+                name = Path(d).name if d else "registered"
+                label = m if single else f"{m}[{name},b{b}]"
+                desc = {"method": m, "drafter": str(Path(d).resolve()) if d else name, "block_size": b}
+                out.append(Variant(label, m, replace(base, drafter=drafter, block_size=b), desc))
+    labels = [v.label for v in out]
+    if len(set(labels)) != len(labels):
+        raise FlashdraftError(f"two method variants share a label ({labels}); give drafters distinct folder names")
+    return out
+
+
+def turn_record(target, s: Sample, prompt_len: int) -> dict:
+    """The per-turn part of a per-sample JSONL record."""
+    return {"prompt_len": prompt_len, "output_ids": s.output_ids, "text": target.decode(s.output_ids),
+            "new_tokens": len(s.output_ids), "first_tokens": s.first_tokens, "ttft_s": s.ttft_s,
+            "total_s": s.total_s, "decode_s": max(0.0, s.total_s - s.ttft_s),
+            "acceptance_lengths": s.acceptance_lengths,
+            "cycle_timing": s.draft_s is not None, "draft_s": s.draft_s or 0.0, "verify_s": s.verify_s or 0.0,
+            "other_s": s.other_s or 0.0}
+
+
+def run_sample(target, v: Variant, p: Prompt, chat: bool) -> list[dict]:
+    """All turns of one prompt with one method, each turn fed the method's own previous answers."""
+    fn = METHODS[v.method]
+    turns, answers, prev, prev_out = [], [], None, None
+    for _ in p.turns:
+        ids = encode_turn(target, p.turns, answers, prev, prev_out, chat)
+        s = fn(target, ids, v.settings)
+        turns.append(turn_record(target, s, len(ids)))
+        answers.append(turns[-1]["text"])
+        prev, prev_out = ids, s.output_ids
+    return turns
+
+
+def warm_up(target, variants: list[Variant], p: Prompt, chat: bool) -> None:
+    """One short untimed generation per method so none pays first-call costs in the measurement."""
+    ids = target.encode(p.turns[0], chat=chat)
+    for v in variants:
+        METHODS[v.method](target, ids, replace(v.settings, max_new_tokens=min(16, v.settings.max_new_tokens)))
+
+
+def progress():
+    """A rich progress bar on stderr."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TimeRemainingColumn(), console=Console(stderr=True), transient=False)
+
+
+def run_bench(target, datasets: dict[str, list[Prompt]], variants: list[Variant], out: Path, chat: bool,
+              limit_time: float | None) -> str | None:
+    """Run every (dataset, prompt, method) not yet in samples.jsonl; returns why it stopped early, or None."""
+    from rich.markup import escape
+
+    path = out / "samples.jsonl"
+    done = {(r["dataset"], r["id"], r["method"]) for r in load_records(path)}
+    todo = [(ds, p, v) for ds, ps in datasets.items() for p in ps for v in variants if (ds, p.id, v.label) not in done]
+    if not todo:
+        return None
+    t_start = time.perf_counter()
+    warm_up(target, variants, todo[0][1], chat)
+    bar = progress()
+    plain = not bar.console.is_terminal
+    stopped = None
+    with bar:
+        task = bar.add_task("bench", total=len(todo))
+        for n, (ds, p, v) in enumerate(todo, 1):
+            if limit_time is not None and time.perf_counter() - t_start >= limit_time:
+                stopped = f"time limit of {limit_time:g}s reached after {n - 1} of {len(todo)} runs"
+                break
+            bar.update(task, description=escape(f"{ds} · {v.label} · {p.id}"))
+            turns = run_sample(target, v, p, chat)
+            append_record(path, {"dataset": ds, "id": p.id, "method": v.label, "turns": turns})
+            bar.advance(task)
+            if plain:
+                toks = sum(t["new_tokens"] for t in turns)
+                dec = sum(t["decode_s"] for t in turns)
+                print(f"[{n}/{len(todo)}] {ds} {p.id} {v.label}: {toks} tokens, "
+                      f"{sum(t['new_tokens'] - t['first_tokens'] for t in turns) / max(dec, 1e-9):.1f} tok/s",
+                      file=sys.stderr, flush=True)
+    return stopped
+
+
+# ---------------------------------------------------------------- CLI
+
+def add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="benchmark ar / hf / hf-lookup / dflash on datasets",
+                       description="Compare decoding methods on the same prompts, target, dtype and machine; "
+                                   "check losslessness at temperature 0; write JSONL, JSON, Markdown and plots.")
+    p.add_argument("--dataset", action="append", required=True,
+                   help=f"JSONL path ({{\"turns\": [...]}} records), NAME=PATH, or one of {', '.join(HUB_DATASETS)} "
+                        "(repeatable)")
+    p.add_argument("--methods", default=ALL_METHODS, help=f"comma-separated, from {', '.join(METHODS)} "
+                                                          f"(default {ALL_METHODS}; ar is always run as the reference)")
+    p.add_argument("--target", help="registered name, local HF model dir or hub id (default: smollm2-135m-instruct)")
+    p.add_argument("--drafter", action="append", help="drafter directory for dflash (repeatable; default: registered)")
+    p.add_argument("--block-size", type=int, action="append", help="dflash block size (repeatable; default: drafter's)")
+    p.add_argument("--max-samples", type=int, help="prompts per dataset (a fixed-seed random subset)")
+    p.add_argument("--subsample-seed", type=int, default=0, help="seed for --max-samples sub-sampling (default 0)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; outputs must match ar)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens for hf-lookup (default 10)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--no-chat", action="store_true", help="tokenize prompts as raw text, no chat template")
+    p.add_argument("--limit-time", type=float, help="stop starting new runs after SECONDS and report what finished")
+    p.add_argument("--out", required=True, help="results directory (re-running with it resumes)")
+    p.set_defaults(func=cmd_bench)
+
+
+def parse_methods(text: str) -> list[str]:
+    methods = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in methods if m not in METHODS]
+    if bad or not methods:
+        raise FlashdraftError(f"--methods: unknown {bad or text!r}; choose from {', '.join(METHODS)}")
+    return ["ar"] + [m for m in dict.fromkeys(methods) if m != "ar"]
+
+
+def check_bench_args(args) -> None:
+    from .decode import check_args
+    from .sampling import SamplingParams
+
+    check_args(1, args.max_new_tokens)
+    SamplingParams(args.temperature, args.top_k, args.top_p)
+    if args.max_samples is not None and args.max_samples < 1:
+        raise FlashdraftError(f"--max-samples must be >= 1, got {args.max_samples}")
+    if args.limit_time is not None and not args.limit_time > 0:
+        raise FlashdraftError(f"--limit-time must be > 0 seconds, got {args.limit_time}")
+    if args.threads is not None and args.threads < 1:
+        raise FlashdraftError(f"--threads must be >= 1, got {args.threads}")
+    if args.lookup_tokens < 1:
+        raise FlashdraftError(f"--lookup-tokens must be >= 1, got {args.lookup_tokens}")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise FlashdraftError(f"--out {out} exists and is not a directory")
+
+
+def cmd_bench(args) -> int:
+    import torch
+
+    from . import report
+    from .models import load_target
+
+    check_bench_args(args)
+    methods = parse_methods(args.methods)
+    labels = [parse_dataset(d) for d in args.dataset]
+    if len({lab for lab, _ in labels}) != len(labels):
+        raise FlashdraftError(f"two datasets share the label {[lab for lab, _ in labels]}; use NAME=PATH to name them")
+    datasets = {lab: load_dataset(lab, src, args.max_samples, args.subsample_seed) for lab, src in labels}
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = load_target(args.target, dtype=args.dtype, device=device)
+    base = Settings(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed,
+                    target.stop_token_ids(), lookup_tokens=args.lookup_tokens)
+    variants = build_variants(target, methods, args.drafter or [None], args.block_size or [], base)
+    config = {"target": target.name, "dtype": args.dtype, "device": device, "chat": not args.no_chat,
+              "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+              "top_k": args.top_k, "seed": args.seed, "lookup_tokens": args.lookup_tokens}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    check_run(out, config, {v.label: v.desc for v in variants})
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    stopped, interrupted = None, False
+    try:
+        stopped = run_bench(target, datasets, variants, out, not args.no_chat, args.limit_time)
+    except KeyboardInterrupt:
+        stopped, interrupted = "interrupted", True
+    records = [r for r in load_records(out / "samples.jsonl")
+               if r["dataset"] in datasets and r["method"] in {v.label for v in variants}
+               and r["id"] in {p.id for p in datasets[r["dataset"]]}]
+    summary = report.summarize(records, [v.label for v in variants], config, datasets, stopped)
+    report.write_all(out, summary)
+    report.print_summary(summary, out)
+    if interrupted:
+        return 130
+    return 1 if summary["correctness"]["failed"] else 0

@@ -1,0 +1,160 @@
+"""`flashdraft prepare` and `flashdraft train` subcommands."""
+
+from __future__ import annotations
+
+import sys
+
+from ..errors import FlashdraftError
+
+
+def add_train_commands(sub) -> None:
+    """Register `prepare` and `train` on the main parser's subcommands."""
+    add_prepare(sub)
+    add_train(sub)
+
+
+def parse_int_list(text: str | None, what: str) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise FlashdraftError(f"{what} must be comma-separated integers, got {text!r}") from None
+
+
+def set_threads(n: int | None) -> None:
+    if n is not None:
+        if n < 1:
+            raise FlashdraftError(f"--threads must be >= 1, got {n}")
+        import torch
+
+        torch.set_num_threads(n)
+
+
+# ---------------------------------------------------------------- prepare
+
+def add_prepare(sub) -> None:
+    p = sub.add_parser("prepare", help="generate drafter training data with the target itself",
+                       description="Apply the target's chat template to prompts, let the target answer them and store "
+                                   "token ids + response loss masks in resumable shards (see flashdraft/train/data.py).")
+    p.add_argument("out", help="output directory (re-running with the same settings resumes)")
+    p.add_argument("--prompts", action="append", default=[], metavar="FILE.jsonl",
+                   help='JSONL with {"turns": [str, ...]} records (first turn used); repeat to mix files round-robin')
+    p.add_argument("--dataset", help="a Hugging Face datasets name instead of / besides --prompts (needs flashdraft[data])")
+    p.add_argument("--dataset-split", default="train")
+    p.add_argument("--dataset-config", default=None)
+    p.add_argument("--max-samples", type=int, help="use at most this many prompts (after mixing)")
+    p.add_argument("--target", help="registered name, local HF model dir or hub id (default: smollm2-135m-instruct)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--batch-size", type=int, default=16, help="prompts per model.generate call")
+    p.add_argument("--shard-size", type=int, default=256, help="prompts per shard (the unit of resumption)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-chat", action="store_true", help="tokenize prompts as raw text, no chat template")
+    p.add_argument("--features", action="store_true", help="also store the target's selected-layer features (bf16)")
+    p.add_argument("--feature-layer-ids", help="comma-separated target layer ids for --features "
+                   "(default: the drafter default for --num-layers)")
+    p.add_argument("--num-layers", type=int, default=2, help="drafter layers the default feature layer ids are for")
+    p.add_argument("--threads", type=int, help="torch CPU threads (1 is fastest on a shared, busy machine)")
+    p.set_defaults(func=cmd_prepare)
+
+
+def cmd_prepare(args) -> int:
+    import torch
+
+    from ..config import default_target_layer_ids
+    from ..models import load_target
+    from .data import human_bytes, interleave, prepare, read_dataset_prompts, read_jsonl_prompts
+
+    set_threads(args.threads)
+    if not args.prompts and not args.dataset:
+        raise FlashdraftError("give prompts: --prompts FILE.jsonl (repeatable) or --dataset NAME")
+    if args.max_samples is not None and args.max_samples < 1:
+        raise FlashdraftError(f"--max-samples must be >= 1, got {args.max_samples}")
+    layer_ids = parse_int_list(args.feature_layer_ids, "--feature-layer-ids")
+    if layer_ids is not None and not args.features:
+        raise FlashdraftError("--feature-layer-ids needs --features")
+    lists = [read_jsonl_prompts(f) for f in args.prompts]
+    sources = list(args.prompts)
+    if args.dataset:
+        lists.append(read_dataset_prompts(args.dataset, args.dataset_split, args.dataset_config))
+        sources.append(f"datasets:{args.dataset}:{args.dataset_split}")
+    prompts = interleave(lists)[: args.max_samples]
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    target = load_target(args.target, dtype=args.dtype, device=device)
+    if args.features and layer_ids is None:
+        layer_ids = default_target_layer_ids(target.model.config.get_text_config().num_hidden_layers, args.num_layers)
+    print(f"flashdraft: {len(prompts)} prompts from {len(sources)} source(s) → {args.out}", file=sys.stderr)
+    s = prepare(target, prompts, args.out, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                batch_size=args.batch_size, shard_size=args.shard_size, seed=args.seed,
+                feature_layer_ids=layer_ids if args.features else None, chat=not args.no_chat, sources=sources)
+    rate = (f", {s['tokens_per_s']:.1f} generated tok/s over {s['seconds']:.0f} s this run"
+            if s["generated_tokens_this_run"] else "")
+    print(f"flashdraft: {s['sequences']} sequences ({s['unfinished']} cut at --max-new-tokens), {s['tokens']} tokens "
+          f"({s['response_tokens']} response), {human_bytes(s['disk_bytes'])} on disk{rate}", file=sys.stderr)
+    return 0
+
+
+# ---------------------------------------------------------------- train
+
+def add_train(sub) -> None:
+    from .trainer import TrainConfig
+
+    d = TrainConfig(data="", out="")
+    p = sub.add_parser("train", help="train a DFlash drafter on prepared data",
+                       description="Train a block-diffusion drafter against a frozen target (DESIGN.md §4). "
+                                   "Multi-GPU / multi-process: torchrun --nproc_per_node=N -m flashdraft.cli train ...")
+    p.add_argument("--data", required=True, help="directory written by flashdraft prepare")
+    p.add_argument("--out", required=True, help="checkpoint directory (step_N/ are z-lab drafters, usable as --drafter)")
+    p.add_argument("--target", help="registered name, local HF model dir or hub id (default: smollm2-135m-instruct)")
+    p.add_argument("--init-from", help="start from this drafter directory instead of random weights")
+    p.add_argument("--num-layers", type=int, default=d.num_layers, help="drafter layers (new drafters)")
+    p.add_argument("--block-size", type=int, default=None, help="block size B (default 16, or --init-from's)")
+    p.add_argument("--mask-token-id", type=int, help="mask token id (default: spare embedding row, else the "
+                   "highest-id unused special token, e.g. <empty_output>=16 for SmolLM2)")
+    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps in total")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per step over all processes")
+    p.add_argument("--micro-batch", type=int, help="sequences per forward per process (gradient accumulation)")
+    p.add_argument("--anchors", type=int, default=d.anchors, help="max anchor blocks per sequence per step")
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio, help="cosine floor as a fraction of --lr")
+    p.add_argument("--warmup-steps", type=int, help="linear warmup steps (default: 4%% of --steps)")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--grad-clip", type=float, default=d.grad_clip)
+    p.add_argument("--gamma", type=float, help="loss decay γ (default 7/5/4 for B=16/10/8, else (B+5)/3)")
+    p.add_argument("--kl-weight", type=float, default=d.kl_weight, help="add this times KL(target || drafter)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=d.dtype, help="compute dtype (weights stay fp32)")
+    p.add_argument("--save-dtype", choices=["float32", "bfloat16"], default=d.save_dtype, help="dtype of model.safetensors")
+    p.add_argument("--offline", action="store_true", help="use features stored by prepare --features")
+    p.add_argument("--eval-sequences", type=int, default=d.eval_sequences, help="held-out sequences (at most 10%%)")
+    p.add_argument("--eval-every", type=int, default=d.eval_every)
+    p.add_argument("--log-every", type=int, default=d.log_every)
+    p.add_argument("--save-every", type=int, default=d.save_every)
+    p.add_argument("--keep-last", type=int, default=d.keep_last, help="checkpoints to keep")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--resume", action="store_true", help="continue from OUT/latest (bit-for-bit)")
+    p.add_argument("--stop-after", type=int, help="stop (with a checkpoint) after this many steps in this session")
+    p.add_argument("--loss-chunk", type=int, default=d.loss_chunk, help="logit rows per checkpointed loss chunk")
+    p.add_argument("--device", default=None, help="torch device (default: cuda:LOCAL_RANK if available, else cpu)")
+    p.add_argument("--threads", type=int, help="torch CPU threads per process")
+    p.set_defaults(func=cmd_train)
+
+
+def cmd_train(args) -> int:
+    from .trainer import TrainConfig, train
+
+    set_threads(args.threads)
+    keys = TrainConfig.__dataclass_fields__
+    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in keys})
+    if cfg.stop_after is not None and cfg.stop_after < 1:
+        raise FlashdraftError(f"--stop-after must be >= 1, got {cfg.stop_after}")
+    try:
+        train(cfg, log=print)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0

@@ -1,0 +1,308 @@
+"""Training data: prompts → target-generated responses → token shards (optionally with target features).
+
+On-disk layout of `flashdraft prepare OUT` (all writes atomic, re-runs skip finished shards):
+
+    OUT/meta.json                    settings the shards were made with (checked on resume)
+    OUT/shard_00000/tokens.safetensors
+        input_ids  int32 [N]         prompt (chat template applied) + response, sequences concatenated
+        loss_mask  uint8 [N]         1 on response tokens (up to and including the stop token)
+        offsets    int64 [S + 1]     sequence s is input_ids[offsets[s]:offsets[s+1]]
+        finished   uint8 [S]         1 if the response ended with a stop token (0: cut at max_new_tokens)
+    OUT/shard_00000/features.safetensors   (only with --features)
+        features   bfloat16 [N, len(layer_ids) * hidden]   hidden_states[i + 1] for i in layer_ids, per position
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from ..atomic import atomic_dir, write_text
+from ..errors import FlashdraftError
+
+FORMAT = "flashdraft-data-v1"
+PROMPT_KEYS = ("prompt", "instruction", "question", "input", "text")
+
+
+@dataclass
+class Sequence:
+    """One training example: token ids [n], loss mask [n] (response tokens) and optional features [n, F]."""
+
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    features: torch.Tensor | None = None
+    finished: bool = True  # False when the response hit max_new_tokens before a stop token
+
+
+# ---------------------------------------------------------------- prompts
+
+def prompt_of(record: dict, where: str) -> str:
+    """The first user turn of a record: `turns[0]`, chat `messages`, or a prompt-like field."""
+    if isinstance(record.get("turns"), list) and record["turns"]:
+        return str(record["turns"][0])
+    for key in ("messages", "conversations"):
+        msgs = record.get(key)
+        if isinstance(msgs, list):
+            for m in msgs:
+                if isinstance(m, dict) and m.get("role", m.get("from")) in ("user", "human"):
+                    return str(m.get("content", m.get("value", "")))
+    for key in PROMPT_KEYS:
+        if isinstance(record.get(key), str):
+            return record[key]
+    raise FlashdraftError(f"{where}: no prompt found (expected 'turns': [str, ...] or one of {list(PROMPT_KEYS)})")
+
+
+def read_jsonl_prompts(path: str | Path) -> list[str]:
+    """First turns of every record in a JSONL file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FlashdraftError(f"prompt file {path} not found; pass a JSONL file with {{\"turns\": [str, ...]}} records")
+    out = []
+    for i, line in enumerate(path.read_text().split("\n")):  # not splitlines(): U+2028 may sit inside strings
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise FlashdraftError(f"{path}:{i + 1}: not valid JSON ({e.msg})") from None
+        if not isinstance(rec, dict):
+            raise FlashdraftError(f"{path}:{i + 1}: expected a JSON object per line")
+        out.append(prompt_of(rec, f"{path}:{i + 1}"))
+    if not out:
+        raise FlashdraftError(f"prompt file {path} has no records")
+    return out
+
+
+def read_dataset_prompts(name: str, split: str = "train", config: str | None = None) -> list[str]:
+    """First user turns of a Hugging Face `datasets` dataset (needs the [data] extra)."""
+    try:
+        import datasets
+    except ImportError:
+        raise FlashdraftError("--dataset needs the `datasets` package: pip install 'flashdraft[data]'") from None
+    try:
+        ds = datasets.load_dataset(name, config, split=split)
+    except Exception as e:  # noqa: BLE001 - datasets raises many types; report one line
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise FlashdraftError(f"could not load dataset {name!r} split {split!r}: {first}") from None
+    return [prompt_of(rec, f"{name}[{i}]") for i, rec in enumerate(ds)]
+
+
+def interleave(lists: list[list[str]]) -> list[str]:
+    """Round-robin merge so every prefix mixes all sources."""
+    out, n = [], max((len(x) for x in lists), default=0)
+    for i in range(n):
+        out.extend(x[i] for x in lists if i < len(x))
+    return out
+
+
+# ---------------------------------------------------------------- generation
+
+def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists → ids [b, L] and attention mask [b, L], padded on the left."""
+    L = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), L), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, L - len(s):] = torch.tensor(s, dtype=torch.long)
+        mask[i, L - len(s):] = 1
+    return ids, mask
+
+
+def right_pad(seqs: list[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Id tensors → ids [b, L] and attention mask [b, L], padded on the right."""
+    L = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), L), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = s
+        mask[i, : len(s)] = 1
+    return ids, mask
+
+
+def cut_at_stop(tokens: list[int], stop_ids: set[int]) -> tuple[list[int], bool]:
+    """Keep tokens up to and including the first stop token; returns (tokens, finished)."""
+    for i, t in enumerate(tokens):
+        if t in stop_ids:
+            return tokens[: i + 1], True
+    return tokens, False
+
+
+@torch.inference_mode()
+def generate_responses(model, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
+                       stop_ids: list[int], pad_id: int, seed: int) -> list[tuple[list[int], bool]]:
+    """Batched `model.generate` (left padding); each response cut after its first stop token."""
+    ids, mask = left_pad(prompts, pad_id)
+    dev = next(model.parameters()).device
+    torch.manual_seed(seed)
+    kw = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(do_sample=False)
+    out = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=max_new_tokens,
+                         min_new_tokens=0, eos_token_id=stop_ids or None, pad_token_id=pad_id, **kw)
+    stops = set(stop_ids)
+    return [cut_at_stop(row.tolist(), stops) for row in out[:, ids.shape[1]:].cpu()]
+
+
+@torch.inference_mode()
+def target_features(model, seqs: list[torch.Tensor], layer_ids: list[int]) -> list[torch.Tensor]:
+    """Selected-layer hidden states per position, one [n_i, len(layer_ids) * hidden] tensor per sequence."""
+    ids, mask = right_pad(seqs)
+    dev = next(model.parameters()).device
+    out = model(input_ids=ids.to(dev), attention_mask=mask.to(dev), output_hidden_states=True, logits_to_keep=1)
+    feats = torch.cat([out.hidden_states[i + 1] for i in layer_ids], -1)  # [b, L, F]
+    return [feats[i, : len(s)].to(torch.bfloat16).cpu() for i, s in enumerate(seqs)]
+
+
+# ---------------------------------------------------------------- shards
+
+def shard_dir(out: Path, i: int) -> Path:
+    return out / f"shard_{i:05d}"
+
+
+def write_shard(path: Path, seqs: list[Sequence]) -> None:
+    """Write one shard directory atomically (tokens, and features when every sequence has them)."""
+    lens = torch.tensor([0] + [len(s.input_ids) for s in seqs], dtype=torch.int64)
+    tokens = {"input_ids": torch.cat([s.input_ids for s in seqs]).to(torch.int32),
+              "loss_mask": torch.cat([s.loss_mask for s in seqs]).to(torch.uint8),
+              "offsets": lens.cumsum(0), "finished": torch.tensor([s.finished for s in seqs], dtype=torch.uint8)}
+    with atomic_dir(path) as tmp:
+        if all(s.features is not None for s in seqs):
+            save_file({"features": torch.cat([s.features for s in seqs]).contiguous()}, str(tmp / "features.safetensors"))
+        save_file(tokens, str(tmp / "tokens.safetensors"), metadata={"format": FORMAT})
+
+
+def read_shard(path: Path, features: bool = False) -> list[Sequence]:
+    """Sequences of one shard directory (features only when asked for)."""
+    try:
+        tok = load_file(str(path / "tokens.safetensors"))
+        feats = load_file(str(path / "features.safetensors"))["features"] if features else None
+    except FileNotFoundError as e:
+        raise FlashdraftError(f"{path}: missing {Path(e.filename or '').name or 'file'}; "
+                              f"{'re-run prepare with --features' if features else 're-run flashdraft prepare'}") from None
+    except (SafetensorError, OSError, KeyError) as e:
+        raise FlashdraftError(f"{path}: unreadable shard ({e}); delete it and re-run flashdraft prepare") from None
+    off, fin = tok["offsets"].tolist(), tok["finished"].tolist()
+    return [Sequence(tok["input_ids"][a:b].long(), tok["loss_mask"][a:b].bool(),
+                     feats[a:b] if feats is not None else None, bool(f)) for a, b, f in zip(off[:-1], off[1:], fin)]
+
+
+def read_meta(data_dir: str | Path) -> dict:
+    """meta.json of a prepared data directory."""
+    file = Path(data_dir) / "meta.json"
+    if not file.is_file():
+        raise FlashdraftError(f"{data_dir} is not a prepared data directory (no meta.json); run flashdraft prepare first")
+    try:
+        meta = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise FlashdraftError(f"{file} is not valid JSON ({e.msg}); re-run flashdraft prepare") from None
+    if meta.get("format") != FORMAT:
+        raise FlashdraftError(f"{file}: format {meta.get('format')!r} is not {FORMAT!r}")
+    return meta
+
+
+def load_sequences(data_dir: str | Path, features: bool = False) -> list[Sequence]:
+    """Every finished shard's sequences, in shard order."""
+    data_dir = Path(data_dir)
+    meta = read_meta(data_dir)
+    if features and not meta.get("feature_layer_ids"):
+        raise FlashdraftError(f"{data_dir} has no stored features; re-run prepare with --features or train online")
+    shards = sorted(p for p in data_dir.glob("shard_*") if p.is_dir())
+    seqs = [s for p in shards for s in read_shard(p, features)]
+    if not seqs:
+        raise FlashdraftError(f"{data_dir} holds no finished shards yet; wait for flashdraft prepare or re-run it")
+    return seqs
+
+
+def dir_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GB"
+
+
+def prepare(target, prompts: list[str], out_dir: str | Path, *, max_new_tokens: int = 256, temperature: float = 0.0,
+            batch_size: int = 16, shard_size: int = 256, seed: int = 0, feature_layer_ids: list[int] | None = None,
+            chat: bool = True, sources: list[str] | None = None, progress: bool = True) -> dict:
+    """Generate target responses for prompts into sharded token files under out_dir; returns a summary dict."""
+    from tqdm import tqdm
+
+    if not prompts:
+        raise FlashdraftError("no prompts to generate from; pass --prompts FILE.jsonl or --dataset NAME")
+    if max_new_tokens < 1:
+        raise FlashdraftError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if batch_size < 1 or shard_size < 1:
+        raise FlashdraftError(f"--batch-size and --shard-size must be >= 1, got {batch_size} and {shard_size}")
+    if temperature < 0:
+        raise FlashdraftError(f"--temperature must be >= 0, got {temperature}")
+    model, tok = target.model, target.tokenizer
+    n_layers = model.config.get_text_config().num_hidden_layers
+    if feature_layer_ids is not None:
+        bad = [i for i in feature_layer_ids if not 0 <= i < n_layers]
+        if bad:
+            raise FlashdraftError(f"feature layer ids {bad} are outside the target's layers 0..{n_layers - 1}")
+    out = Path(out_dir)
+    meta = {"format": FORMAT, "target": target.name, "num_prompts": len(prompts), "shard_size": shard_size,
+            "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed, "chat": chat,
+            "feature_layer_ids": feature_layer_ids, "sources": sources or [],
+            "dtype": str(next(model.parameters()).dtype).replace("torch.", "")}
+    if (out / "meta.json").is_file():
+        old = read_meta(out)
+        diff = [k for k in meta if k not in ("sources", "dtype") and old.get(k) != meta[k]]
+        if diff:
+            raise FlashdraftError(f"{out} was prepared with different settings ({', '.join(f'{k}={old.get(k)!r}' for k in diff)}); "
+                                  "use a new output directory or the same settings to resume")
+    elif out.exists() and any(out.iterdir()):
+        raise FlashdraftError(f"{out} exists and is not a prepared data directory; choose an empty or new directory")
+    write_text(out / "meta.json", json.dumps(meta, indent=2) + "\n")
+
+    stop_ids = target.stop_token_ids()
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else (stop_ids[0] if stop_ids else 0)
+    n_shards = math.ceil(len(prompts) / shard_size)
+    todo = [i for i in range(n_shards) if not (shard_dir(out, i) / "tokens.safetensors").is_file()]
+    done_prompts = len(prompts) - sum(len(prompts[i * shard_size:(i + 1) * shard_size]) for i in todo)
+    bar = tqdm(total=len(prompts), initial=done_prompts, unit="seq", disable=not progress, dynamic_ncols=True,
+               desc="prepare", smoothing=0.05)
+    new_tokens, t0 = 0, time.perf_counter()
+    for i in todo:
+        chunk = prompts[i * shard_size:(i + 1) * shard_size]
+        enc = [target.encode(p, chat=chat) for p in chunk]
+        order = sorted(range(len(enc)), key=lambda j: len(enc[j]))  # similar lengths share a batch: less padding
+        seqs: list[Sequence | None] = [None] * len(enc)
+        for b0 in range(0, len(order), batch_size):
+            idx = order[b0:b0 + batch_size]
+            resps = generate_responses(model, [enc[j] for j in idx], max_new_tokens=max_new_tokens,
+                                       temperature=temperature, stop_ids=stop_ids, pad_id=pad_id,
+                                       seed=seed * 1_000_003 + i * 1009 + b0)
+            full = [torch.tensor(enc[j] + r, dtype=torch.long) for j, (r, _) in zip(idx, resps)]
+            feats = target_features(model, full, feature_layer_ids) if feature_layer_ids else [None] * len(full)
+            for j, (r, fin), ids, f in zip(idx, resps, full, feats):
+                lm = torch.zeros(len(ids), dtype=torch.bool)
+                lm[len(enc[j]):] = True
+                seqs[j] = Sequence(ids, lm, f, fin)
+            new_tokens += sum(len(r) for r, _ in resps)
+            bar.update(len(idx))
+            dt = time.perf_counter() - t0
+            bar.set_postfix_str(f"{new_tokens / dt:.0f} tok/s, shard {i + 1}/{n_shards}")
+        write_shard(shard_dir(out, i), seqs)  # type: ignore[arg-type]
+    bar.close()
+    return summarize(out, time.perf_counter() - t0, new_tokens)
+
+
+def summarize(out: Path, seconds: float = 0.0, new_tokens: int = 0) -> dict:
+    """Counts over every finished shard of a data directory."""
+    seqs = load_sequences(out)
+    n_tok = sum(len(s.input_ids) for s in seqs)
+    n_resp = sum(int(s.loss_mask.sum()) for s in seqs)
+    return {"sequences": len(seqs), "unfinished": sum(not s.finished for s in seqs), "tokens": n_tok,
+            "response_tokens": n_resp, "disk_bytes": dir_size(out),
+            "seconds": seconds, "generated_tokens_this_run": new_tokens,
+            "tokens_per_s": new_tokens / seconds if seconds > 0 else 0.0}

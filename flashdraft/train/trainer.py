@@ -1,0 +1,498 @@
+"""Drafter training loop (DESIGN.md §4): frozen target, block-diffusion drafter, AdamW + warmup/cosine, DDP.
+
+Determinism: the data order of step s and every sequence's anchors are pure functions of (seed, s, index), so a
+run resumed from a checkpoint (fp32 weights, optimizer, scheduler, RNG, step) continues bit-for-bit, and N DDP
+ranks see exactly the global batch one process would (rank r takes every N-th sequence; the loss is normalised by
+the global block count, so averaged DDP gradients equal the single-process gradient).
+
+Checkpoints: OUT/step_0000100/ holds config.json + model.safetensors (z-lab format, --save-dtype, loadable as
+--drafter) and train_state.pt (fp32 weights, optimizer, scheduler, RNG, step, settings); OUT/latest names the
+newest. OUT/metrics.jsonl gets one JSON line per log / eval.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import target as T
+from ..atomic import atomic_dir, write_text
+from ..checkpoint import build_drafter, check_compatible, load_drafter, parse_dtype, save_drafter
+from ..config import drafter_config_for
+from ..errors import FlashdraftError
+from .data import Sequence, load_sequences, read_meta, right_pad
+from .loss import block_loss, mean_loss, position_accuracy, position_weights, tau_hat
+from .mask import block_positions, eligible_anchors, pad_anchors, sample_anchors, training_masks
+
+# settings that must not change when resuming (they change the data order, the model or the schedule)
+RESUME_KEYS = ("data", "num_layers", "block_size", "mask_token_id", "steps", "batch_size", "lr", "min_lr_ratio",
+               "warmup_steps", "weight_decay", "anchors", "gamma", "kl_weight", "seed", "offline", "eval_sequences")
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run depends on (CLI flags map 1:1)."""
+
+    data: str
+    out: str
+    target: str | None = None
+    init_from: str | None = None
+    num_layers: int = 2
+    block_size: int | None = None  # None: 16, or the --init-from drafter's
+    mask_token_id: int | None = None
+    steps: int = 1000
+    batch_size: int = 8  # sequences per optimizer step, over all ranks
+    micro_batch: int | None = None  # sequences per forward on one rank (None: all of the rank's share)
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int | None = None  # None: 4% of steps
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    anchors: int = 512
+    gamma: float | None = None
+    kl_weight: float = 0.0
+    dtype: str = "bfloat16"  # compute dtype (target and drafter autocast); master weights stay fp32
+    save_dtype: str = "bfloat16"
+    offline: bool = False
+    eval_sequences: int = 32
+    eval_every: int = 100
+    log_every: int = 10
+    save_every: int = 500
+    keep_last: int = 3
+    seed: int = 0
+    resume: bool = False
+    stop_after: int | None = None  # stop after this many steps in this session (checkpointing first)
+    device: str | None = None
+    loss_chunk: int = 4096  # logits rows per checkpointed chunk of the loss
+    extra: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- mask token
+
+def pick_mask_token_id(tokenizer, vocab_rows: int) -> int:
+    """The first embedding row beyond the tokenizer if there is one, else the highest-id unused special token.
+
+    "Unused" means an added special token that is not bos/eos/pad/unk and does not occur in the chat template
+    (for SmolLM2 that is `<empty_output>`, id 16).
+    """
+    n = len(tokenizer)
+    if vocab_rows > n:
+        return n
+    taken = {getattr(tokenizer, f"{k}_token_id", None) for k in ("bos", "eos", "pad", "unk")}
+    template = str(getattr(tokenizer, "chat_template", None) or "")
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    cands = [i for i, t in decoder.items()
+             if getattr(t, "special", False) and i not in taken and i < vocab_rows and str(t) not in template]
+    if not cands:
+        raise FlashdraftError("the target has no spare embedding row or unused special token for the mask token; "
+                              "pass --mask-token-id ID")
+    return max(cands)
+
+
+# ---------------------------------------------------------------- data order
+
+@functools.lru_cache(maxsize=4)
+def _perm(seed: int, epoch: int, n: int) -> list[int]:
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7919 + epoch)).tolist()
+
+
+def step_indices(step: int, n: int, batch: int, seed: int) -> list[int]:
+    """Global batch of training-set indices for step `step` (an endless stream of per-epoch permutations)."""
+    out = []
+    for t in range(step * batch, (step + 1) * batch):
+        epoch, r = divmod(t, n)
+        out.append(_perm(seed, epoch, n)[r])
+    return out
+
+
+def anchor_generator(seed: int, step: int, index: int) -> torch.Generator:
+    """Anchors of sequence `index` at step `step` depend on nothing else (resume / DDP reproducible)."""
+    return torch.Generator().manual_seed(((seed * 1_000_003 + step) * 10_000_019 + index) % (1 << 62))
+
+
+def split_eval(n: int, n_eval: int, seed: int) -> tuple[list[int], list[int]]:
+    """Deterministic held-out split: (train indices, eval indices)."""
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + 12345)).tolist()
+    n_eval = min(n_eval, n // 10) if n >= 2 else 0
+    return sorted(perm[n_eval:]), sorted(perm[:n_eval])
+
+
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup to 1, then cosine down to min_ratio at `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    p = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * p))
+
+
+# ---------------------------------------------------------------- forward pieces
+
+@torch.no_grad()
+def target_features(model, ids: torch.Tensor, attn: torch.Tensor, layer_ids: list[int],
+                    need_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Frozen target on right-padded ids [b, n] → features [b, n, F] and (if asked) logits [b, n, V]."""
+    out = model(input_ids=ids, attention_mask=attn, output_hidden_states=True, logits_to_keep=0 if need_logits else 1)
+    feats = torch.cat([out.hidden_states[i + 1] for i in layer_ids], -1)
+    return feats, (out.logits if need_logits else None)
+
+
+def drafter_hidden(drafter: nn.Module, raw: nn.Module, embed: nn.Module, feats: torch.Tensor, ids: torch.Tensor,
+                   anchors: torch.Tensor, mask_id: int) -> torch.Tensor:
+    """One drafter pass over all anchor blocks: feats [b, n, F], ids [b, n], anchors [b, N] → hidden [b, N, B, h].
+
+    `drafter` is what gets called (maybe DDP-wrapped); `raw` is the module itself (for context_kv / config).
+    """
+    cfg = raw.config
+    B = cfg.block_size
+    b, n = ids.shape
+    ctx = raw.context_kv(feats, torch.arange(n, device=ids.device)[None].expand(b, n))
+    pos = block_positions(anchors, B)  # [b, T]
+    block_ids = torch.full_like(pos, mask_id)
+    block_ids[:, ::B] = ids.gather(1, anchors)
+    emb = embed(block_ids).to(torch.float32)
+    masks = training_masks(cfg.layer_types, anchors, n, B, cfg.sliding_window)
+    hidden = drafter(emb, pos, ctx, masks)
+    return hidden.view(b, anchors.shape[1], B, -1)
+
+
+def block_labels(ids: torch.Tensor, anchors: torch.Tensor, B: int) -> torch.Tensor:
+    """x[a_j + k] for k = 1..B-1: ids [b, n], anchors [b, N] → [b, N, B-1] (padded anchors clamp in range)."""
+    pos = block_positions(anchors, B).clamp(max=ids.shape[1] - 1)
+    return ids.gather(1, pos).view(*anchors.shape, B)[..., 1:]
+
+
+def autocast(device: torch.device, dtype: torch.dtype):
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def micro_loss(drafter: nn.Module, raw: nn.Module, target, seqs: list[Sequence], anchors: list[torch.Tensor],
+               cfg: TrainConfig, w: torch.Tensor, device: torch.device, dtype: torch.dtype):
+    """Loss numerator and correctness [M, B-1] for a micro-batch of sequences with their anchors."""
+    B = raw.config.block_size
+    ids, attn = right_pad([s.input_ids for s in seqs])
+    ids, attn = ids.to(device), attn.to(device)
+    a, valid = pad_anchors(anchors)
+    a, valid = a.to(device), valid.to(device)
+    tlogits = None
+    if cfg.offline:
+        feats = torch.zeros(len(seqs), ids.shape[1], seqs[0].features.shape[-1], dtype=torch.bfloat16)
+        for i, s in enumerate(seqs):
+            feats[i, : len(s.input_ids)] = s.features
+        feats = feats.to(device)
+    else:
+        with autocast(device, dtype):
+            feats, tlogits = target_features(target, ids, attn, raw.config.target_layer_ids, cfg.kl_weight > 0)
+    lm_head, embed = T.lm_head(target), T.embed(target)
+    with autocast(device, dtype):
+        hidden = drafter_hidden(drafter, raw, embed, feats, ids, a, raw.config.mask_token_id)
+        h = hidden[valid][:, 1:]  # [M, B-1, h]
+        labels = block_labels(ids, a, B)[valid]
+        t = None
+        if tlogits is not None:  # the target's distribution for x[a+k] sits at position a+k-1
+            tpos = (block_positions(a, B).view(*a.shape, B)[..., :-1])[valid]  # [M, B-1]
+            bidx = torch.arange(len(seqs), device=device)[:, None].expand_as(a)[valid]
+            t = tlogits[bidx[:, None], tpos]
+        num, correct = block_loss(h, labels, w.to(device), lambda x: raw.logits(x, lm_head), t, cfg.kl_weight,
+                                  cfg.loss_chunk)
+    return num, correct
+
+
+# ---------------------------------------------------------------- setup
+
+def dist_info() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from torchrun's environment."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+
+
+def build_or_load_drafter(cfg: TrainConfig, target) -> nn.Module:
+    """A fresh drafter shaped for the target, or --init-from DIR; fp32 master weights."""
+    model, tok = target.model, target.tokenizer
+    vocab = T.vocab_size(model)
+    if cfg.init_from:
+        drafter = load_drafter(cfg.init_from, dtype=torch.float32)
+        dc = drafter.config
+        if cfg.block_size is not None:
+            dc.block_size = cfg.block_size
+        if cfg.mask_token_id is not None:
+            dc.mask_token_id = cfg.mask_token_id
+        dc.torch_dtype = "float32"
+    else:
+        mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else pick_mask_token_id(tok, vocab)
+        dc = drafter_config_for(model.config, mask_id, num_layers=cfg.num_layers, block_size=cfg.block_size or 16,
+                                torch_dtype="float32")
+        torch.manual_seed(cfg.seed)
+        drafter = build_drafter(dc).float()
+    check_compatible(dc, T.num_layers(model), T.hidden_size(model), vocab, cfg.init_from or "drafter")
+    if dc.block_size < 2:
+        raise FlashdraftError(f"--block-size must be >= 2 for training, got {dc.block_size}")
+    return drafter
+
+
+def check_config(cfg: TrainConfig, world: int) -> None:
+    for name in ("steps", "batch_size", "anchors", "num_layers", "log_every", "eval_every", "save_every", "loss_chunk"):
+        if getattr(cfg, name) < 1:
+            raise FlashdraftError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.micro_batch is not None and cfg.micro_batch < 1:
+        raise FlashdraftError(f"--micro-batch must be >= 1, got {cfg.micro_batch}")
+    if cfg.lr <= 0:
+        raise FlashdraftError(f"--lr must be > 0, got {cfg.lr}")
+    if cfg.batch_size % world:
+        raise FlashdraftError(f"--batch-size {cfg.batch_size} must be a multiple of the number of processes ({world})")
+    if cfg.offline and cfg.kl_weight > 0:
+        raise FlashdraftError("--kl-weight needs the target's logits: train online (without --offline)")
+    parse_dtype(cfg.dtype)
+    parse_dtype(cfg.save_dtype)
+
+
+def prepare_sequences(cfg: TrainConfig, drafter_cfg, vocab: int) -> tuple[list[Sequence], list[Sequence]]:
+    """Load the data, keep sequences with at least one whole supervised block, split off the held-out set."""
+    meta = read_meta(cfg.data)
+    if cfg.offline:
+        stored = meta.get("feature_layer_ids")
+        if stored != list(drafter_cfg.target_layer_ids):
+            raise FlashdraftError(f"{cfg.data} stores features of target layers {stored} but the drafter needs "
+                                  f"{drafter_cfg.target_layer_ids}; re-run prepare --features with --feature-layer-ids "
+                                  f"{','.join(map(str, drafter_cfg.target_layer_ids))} or train online")
+    seqs = load_sequences(cfg.data, features=cfg.offline)
+    top = max(int(s.input_ids.max()) for s in seqs)
+    if top >= vocab:
+        raise FlashdraftError(f"{cfg.data} has token id {top} outside the target vocabulary 0..{vocab - 1}; "
+                              "it was prepared with a different target")
+    B = drafter_cfg.block_size
+    seqs = [s for s in seqs if len(eligible_anchors(s.loss_mask, B))]
+    if len(seqs) < 2:
+        raise FlashdraftError(f"{cfg.data} has {len(seqs)} sequence(s) with a response of at least {B} tokens; "
+                              "need more data or a smaller --block-size")
+    tr, ev = split_eval(len(seqs), cfg.eval_sequences, cfg.seed)
+    return [seqs[i] for i in tr], [seqs[i] for i in ev]
+
+
+# ---------------------------------------------------------------- checkpoints
+
+def save_checkpoint(out: Path, step: int, drafter: nn.Module, opt, sched, cfg: TrainConfig) -> Path:
+    """OUT/step_N: z-lab drafter files + train_state.pt, atomically; then OUT/latest and pruning."""
+    path = out / f"step_{step:07d}"
+    state = {"step": step, "model": {k: v.detach().cpu().clone() for k, v in drafter.state_dict().items()},
+             "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "config": asdict(cfg),
+             "rng": {"torch": torch.get_rng_state(),
+                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
+    with atomic_dir(path) as tmp:
+        save_drafter(drafter, tmp, dtype=cfg.save_dtype)
+        torch.save(state, tmp / "train_state.pt")
+    drafter.config.torch_dtype = "float32"
+    write_text(out / "latest", path.name + "\n")
+    steps = sorted(p for p in out.glob("step_*") if p.is_dir() and not p.name.startswith("."))
+    for old in steps[: max(0, len(steps) - cfg.keep_last)]:
+        shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    f = out / "latest"
+    if not f.is_file():
+        return None
+    path = out / f.read_text().strip()
+    return path if (path / "train_state.pt").is_file() else None
+
+
+def load_state(path: Path, cfg: TrainConfig) -> dict:
+    """train_state.pt, checked against the settings that must not change on resume."""
+    try:
+        state = torch.load(path / "train_state.pt", map_location="cpu", weights_only=False)
+    except (OSError, RuntimeError, EOFError) as e:
+        raise FlashdraftError(f"{path}/train_state.pt is unreadable ({e}); resume from an older step_* directory") from None
+    old = state.get("config", {})
+    diff = [k for k in RESUME_KEYS if old.get(k) != getattr(cfg, k)]
+    if diff:
+        raise FlashdraftError(f"--resume: {', '.join(f'{k} was {old.get(k)!r} now {getattr(cfg, k)!r}' for k in diff)}; "
+                              "use the original settings or a new --out")
+    return state
+
+
+# ---------------------------------------------------------------- evaluation
+
+@torch.no_grad()
+def evaluate(raw: nn.Module, target, seqs: list[Sequence], cfg: TrainConfig, w: torch.Tensor,
+             device: torch.device, dtype: torch.dtype) -> dict:
+    """Held-out loss, per-position accuracy and τ̂ with fixed anchors (identical every call)."""
+    if not seqs:
+        return {}
+    B = raw.config.block_size
+    mb = cfg.micro_batch or max(1, cfg.batch_size)
+    num, correct, n_blocks = 0.0, [], 0
+    for i in range(0, len(seqs), mb):
+        part = seqs[i:i + mb]
+        anchors = [sample_anchors(s.loss_mask, B, cfg.anchors, anchor_generator(cfg.seed, -1, i + j))
+                   for j, s in enumerate(part)]
+        n, c = micro_loss(raw, raw, target, part, anchors, cfg, w, device, dtype)
+        num += float(n)
+        correct.append(c.cpu())
+        n_blocks += sum(len(a) for a in anchors)
+    c = torch.cat(correct)
+    acc = position_accuracy(c)
+    return {"loss": float(mean_loss(torch.tensor(num), n_blocks, w)), "acc": float(c.float().mean()),
+            "acc_pos": [round(float(x), 4) for x in acc], "tau": tau_hat(c), "blocks": n_blocks}
+
+
+# ---------------------------------------------------------------- the loop
+
+def train(cfg: TrainConfig, target=None, log=print) -> dict:
+    """Train a drafter; returns final metrics. `target` may be passed in (tests), else --target is loaded."""
+    rank, world, local_rank = dist_info()
+    check_config(cfg, world)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if cfg.device:
+        device = torch.device(cfg.device)
+    elif torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dtype = parse_dtype(cfg.dtype)
+    is_main = rank == 0
+    say = log if is_main else (lambda *a, **k: None)
+
+    if target is None:
+        from ..models import load_target
+
+        target = load_target(cfg.target, dtype=dtype, device=str(device))
+    model = target.model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+
+    drafter = build_or_load_drafter(cfg, target).to(device)
+    dc = drafter.config
+    train_seqs, eval_seqs = prepare_sequences(cfg, dc, T.vocab_size(model))
+    B = dc.block_size
+    w = position_weights(B, cfg.gamma)
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, int(0.04 * cfg.steps))
+    cfg.warmup_steps = warmup
+    decay = [p for p in drafter.parameters() if p.dim() >= 2]
+    no_decay = [p for p in drafter.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95),
+                            eps=1e-8, foreach=False)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(lr_factor, warmup=warmup, total=cfg.steps,
+                                                                     min_ratio=cfg.min_lr_ratio))
+    out = Path(cfg.out)
+    start = 0
+    if cfg.resume:
+        ckpt = latest_checkpoint(out)
+        if ckpt is None:
+            say(f"flashdraft: nothing to resume in {out}; starting from step 0", file=sys.stderr)
+        else:
+            state = load_state(ckpt, cfg)
+            drafter.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+            sched.load_state_dict(state["scheduler"])
+            torch.set_rng_state(state["rng"]["torch"])
+            if state["rng"].get("cuda") is not None and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+            start = state["step"]
+            say(f"flashdraft: resumed from {ckpt} at step {start}", file=sys.stderr)
+    elif latest_checkpoint(out) is not None:
+        raise FlashdraftError(f"{out} already holds checkpoints; pass --resume to continue or choose a new --out")
+
+    ddp = nn.parallel.DistributedDataParallel(drafter, device_ids=[device.index] if device.type == "cuda" else None) \
+        if world > 1 else drafter
+    n_params = sum(p.numel() for p in drafter.parameters())
+    say(f"flashdraft: training {dc.num_hidden_layers}-layer drafter ({n_params / 1e6:.1f}M params, block {B}, "
+        f"mask id {dc.mask_token_id}, target layers {dc.target_layer_ids}) on {len(train_seqs)} sequences "
+        f"(+{len(eval_seqs)} held out), {world} process(es), {cfg.dtype}, {'offline' if cfg.offline else 'online'} features",
+        file=sys.stderr)
+    if is_main:
+        out.mkdir(parents=True, exist_ok=True)
+    metrics_file = out / "metrics.jsonl"
+    last_stop = cfg.steps if cfg.stop_after is None else min(cfg.steps, start + cfg.stop_after)
+    mb = cfg.micro_batch or cfg.batch_size // world
+    acc_num = acc_blocks = acc_tok = 0.0
+    acc_correct: list[torch.Tensor] = []
+    t_log = time.perf_counter()
+    t_start, step_start, last_logged = t_log, start, start
+    result: dict = {}
+    step = start
+    drafter.train()
+    for step in range(start, last_stop):
+        idx = step_indices(step, len(train_seqs), cfg.batch_size, cfg.seed)[rank::world]
+        seqs = [train_seqs[i] for i in idx]
+        anchors = [sample_anchors(s.loss_mask, B, cfg.anchors, anchor_generator(cfg.seed, step, i))
+                   for s, i in zip(seqs, idx)]
+        n_blocks = torch.tensor(float(sum(len(a) for a in anchors)))
+        if world > 1:
+            dist.all_reduce(n_blocks)
+        denom = float(n_blocks) * float(w.sum())
+        opt.zero_grad(set_to_none=True)
+        step_num, step_correct = 0.0, []
+        for j in range(0, len(seqs), mb):
+            last = j + mb >= len(seqs)
+            sync = contextlib.nullcontext() if (last or world == 1) else ddp.no_sync()
+            with sync:
+                num, correct = micro_loss(ddp, drafter, model, seqs[j:j + mb], anchors[j:j + mb], cfg, w, device, dtype)
+                (num * (world / denom)).backward()
+            step_num += float(num)
+            step_correct.append(correct.detach().cpu())
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
+        opt.step()
+        sched.step()
+        acc_num += step_num
+        acc_blocks += float(n_blocks) / world
+        acc_tok += sum(len(s.input_ids) for s in seqs)
+        acc_correct.extend(step_correct)
+        done = step + 1
+        if done % cfg.log_every == 0 or done == last_stop:
+            stats = torch.tensor([acc_num, acc_blocks, acc_tok])
+            c = torch.cat(acc_correct)
+            cstats = torch.tensor([float(c.long().cumprod(-1).sum()), float(c.sum()), float(c.numel()), float(len(c))])
+            if world > 1:
+                dist.all_reduce(stats)
+                dist.all_reduce(cstats)
+            dt = time.perf_counter() - t_log
+            rate = (done - step_start) / max(time.perf_counter() - t_start, 1e-9)
+            row = {"step": done, "loss": float(stats[0]) / max(float(stats[1]), 1) / float(w.sum()),
+                   "acc": float(cstats[1] / cstats[2]), "tau": 1 + float(cstats[0] / cstats[3]),
+                   "lr": sched.get_last_lr()[0], "tok_s": float(stats[2]) / dt, "blocks_s": float(stats[1]) / dt,
+                   "step_s": dt / max(1, done - last_logged)}
+            if is_main and (done % cfg.eval_every == 0 or done == last_stop):
+                drafter.eval()
+                ev = evaluate(drafter, model, eval_seqs, cfg, w, device, dtype)
+                drafter.train()
+                row.update({f"eval_{k}": v for k, v in ev.items()})
+            eta = (last_stop - done) / rate if rate > 0 else 0.0
+            line = (f"step {done}/{cfg.steps} loss {row['loss']:.3f} acc {row['acc']:.3f} τ̂ {row['tau']:.2f}"
+                    + (f" | eval loss {row['eval_loss']:.3f} acc {row['eval_acc']:.3f} τ̂ {row['eval_tau']:.2f}"
+                       if "eval_loss" in row else "")
+                    + f" | lr {row['lr']:.2e} | {row['tok_s']:.0f} tok/s {row['blocks_s']:.1f} blocks/s"
+                    + f" | eta {eta / 60:.1f} min")
+            say(line, file=sys.stderr)
+            if is_main:
+                with open(metrics_file, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+            result = row
+            acc_num = acc_blocks = acc_tok = 0.0
+            acc_correct = []
+            t_log, last_logged = time.perf_counter(), done
+        if is_main and (done % cfg.save_every == 0 or done == last_stop):
+            path = save_checkpoint(out, done, drafter, opt, sched, cfg)
+            if done == last_stop:
+                say(f"flashdraft: saved {path} (use it as --drafter)", file=sys.stderr)
+        if world > 1:
+            dist.barrier()
+    result["drafter"] = drafter
+    result["final_step"] = last_stop
+    return result
