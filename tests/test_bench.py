@@ -6,7 +6,6 @@ import time
 import types
 
 import pytest
-import torch
 
 from flashdraft import bench, report
 from flashdraft.checkpoint import save_drafter
@@ -25,15 +24,6 @@ def word_tokenizer(vocab: int = VOCAB):
     fast.chat_template = ("{% for m in messages %}w2 {{ m['content'] }} w3 {% endfor %}"
                           "{% if add_generation_prompt %}w4{% endif %}")
     return fast
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run fastest (and share a busy machine best) on one thread."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
