@@ -72,7 +72,7 @@ def data_dir(tiny_dir, prompts_file, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("data") / "d"
     target = load_target(str(tiny_dir))
     prepare(target, read_jsonl_prompts(prompts_file), out, max_new_tokens=40, batch_size=8, shard_size=10,
-            feature_layer_ids=[1, 2], progress=False)
+            feature_layer_ids=[2], progress=False)
     return out
 
 
@@ -179,7 +179,7 @@ def test_training_forward_matches_draft_block(tiny_llama, layer_types):
 
 def test_prepare_format_and_resume(tiny_dir, prompts_file, data_dir, tmp_path):
     meta = json.loads((data_dir / "meta.json").read_text())
-    assert meta["feature_layer_ids"] == [1, 2] and meta["max_new_tokens"] == 40
+    assert meta["feature_layer_ids"] == [2] and meta["max_new_tokens"] == 40
     assert sorted(p.name for p in data_dir.glob("shard_*")) == ["shard_00000", "shard_00001", "shard_00002"]
     seqs = load_sequences(data_dir, features=True)
     target = load_target(str(tiny_dir))
@@ -195,7 +195,7 @@ def test_prepare_format_and_resume(tiny_dir, prompts_file, data_dir, tmp_path):
     assert resp == ar[0, len(enc):len(enc) + len(resp)].tolist()  # the target's own greedy answer
     with torch.no_grad():
         hs = target.model(input_ids=s.input_ids[None], output_hidden_states=True).hidden_states
-    ref = torch.cat([hs[2][0], hs[3][0]], -1)
+    ref = hs[3][0]
     assert s.features.dtype == torch.bfloat16 and torch.allclose(s.features.float(), ref, atol=0.05, rtol=0.02)
     # resume: a finished shard is kept as is; a missing one is regenerated identically
     import shutil
@@ -204,11 +204,21 @@ def test_prepare_format_and_resume(tiny_dir, prompts_file, data_dir, tmp_path):
     shutil.copytree(data_dir, copy)
     shutil.rmtree(copy / "shard_00001")
     before = (copy / "shard_00000" / "tokens.safetensors").stat().st_mtime_ns
-    prepare(target, prompts, copy, max_new_tokens=40, batch_size=8, shard_size=10, feature_layer_ids=[1, 2],
+    prepare(target, prompts, copy, max_new_tokens=40, batch_size=8, shard_size=10, feature_layer_ids=[2],
             progress=False)
     assert (copy / "shard_00000" / "tokens.safetensors").stat().st_mtime_ns == before
-    assert (copy / "shard_00001" / "tokens.safetensors").read_bytes() == \
-        (data_dir / "shard_00001" / "tokens.safetensors").read_bytes()
+    from safetensors.torch import load_file
+
+    new, ref = (load_file(str(d / "shard_00001" / "tokens.safetensors")) for d in (copy, data_dir))
+    assert new.keys() == ref.keys() and all(torch.equal(new[k], ref[k]) for k in ref)
+    # extend: the last (partial) shard is regenerated with its new prompts, the others are kept
+    more = prompts + ["abc", "defg"]
+    prepare(target, more, copy, max_new_tokens=40, batch_size=8, shard_size=10, feature_layer_ids=[2], progress=False)
+    assert (copy / "shard_00000" / "tokens.safetensors").stat().st_mtime_ns == before
+    assert len(load_sequences(copy)) == 26
+    prepare(target, prompts[:10], copy, max_new_tokens=40, batch_size=8, shard_size=10, feature_layer_ids=[2],
+            progress=False)
+    assert len(load_sequences(copy)) == 10
     with pytest.raises(FlashdraftError, match="different settings"):
         prepare(target, prompts, copy, max_new_tokens=41, batch_size=8, shard_size=10, progress=False)
 
@@ -235,7 +245,8 @@ def test_cli_prepare_train_reduces_loss(tiny_dir, prompts_file, tmp_path, capsys
     err = capsys.readouterr().err
     assert "mask id 95" in err and "τ̂" in err and "blocks/s" in err
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 2 and rows[-1]["eval_loss"] < rows[0]["eval_loss"] < 4.6 and rows[-1]["loss"] < rows[0]["loss"]
+    assert len(rows) == 2 and rows[0]["loss"] > 4.3 and rows[-1]["loss"] < rows[0]["loss"] - 0.4, rows
+    assert all(0 <= r["eval_acc"] <= 1 and r["eval_tau"] >= 1 for r in rows)
     drafter = load_drafter(out / "step_0000040")  # a z-lab drafter the decoder can load
     assert drafter.config.block_size == 4 and drafter.config.mask_token_id == MASK_ID
     assert (out / "latest").read_text().strip() == "step_0000040"
@@ -243,9 +254,9 @@ def test_cli_prepare_train_reduces_loss(tiny_dir, prompts_file, tmp_path, capsys
 
 def test_offline_training(data_dir, tiny_dir, tmp_path):
     target = load_target(str(tiny_dir))
-    cfg = tiny_cfg(data_dir, tmp_path / "off", offline=True, num_layers=2, steps=3)
-    with pytest.raises(FlashdraftError, match="target layers"):  # 1-layer drafter wants layer [2], stored [1, 2]
-        train(tiny_cfg(data_dir, tmp_path / "bad", offline=True, steps=1), target=target, log=lambda *a, **k: None)
+    cfg = tiny_cfg(data_dir, tmp_path / "off", offline=True, num_layers=1, steps=3)
+    with pytest.raises(FlashdraftError, match="target layers"):  # a 2-layer drafter wants layers [1, 1], stored [2]
+        train(tiny_cfg(data_dir, tmp_path / "bad", offline=True, num_layers=2, steps=1), target=target)
     res = train(cfg, target=target, log=lambda *a, **k: None)
     assert res["final_step"] == 3 and torch.isfinite(torch.tensor(res["loss"]))
 
@@ -279,6 +290,7 @@ def test_data_order_is_a_pure_function_of_step():
 
 # ---------------------------------------------------------------- (e) DDP == one process
 
+@pytest.mark.slow  # ~18 s: two torchrun workers import torch + transformers
 def test_torchrun_ddp_matches_single_process(data_dir, tiny_dir, tmp_path):
     args = ["train", "--data", str(data_dir), "--out", "{out}", "--target", str(tiny_dir), "--num-layers", "2",
             "--block-size", "4", "--steps", "2", "--batch-size", "4", "--anchors", "8", "--lr", "1e-3",
@@ -293,6 +305,7 @@ def test_torchrun_ddp_matches_single_process(data_dir, tiny_dir, tmp_path):
     a = load_drafter(tmp_path / "ddp" / "step_0000002").state_dict()
     b = load_drafter(tmp_path / "one" / "step_0000002").state_dict()
     diff = max(float((a[k] - b[k]).abs().max()) for k in a)
+    print(f"DDP vs 1 process: max |Δw| = {diff:.2e}")
     assert diff < 1e-5, diff  # same data, anchors and global normalisation; only the all-reduce order differs
 
 

@@ -1,6 +1,7 @@
 """Training data: prompts → target-generated responses → token shards (optionally with target features).
 
-On-disk layout of `flashdraft prepare OUT` (all writes atomic, re-runs skip finished shards):
+On-disk layout of `flashdraft prepare OUT` (all writes atomic; a re-run skips every shard whose stored
+prompt hash matches the prompts it would get now, so a run can be resumed or extended with a larger --max-samples):
 
     OUT/meta.json                    settings the shards were made with (checked on resume)
     OUT/shard_00000/tokens.safetensors
@@ -14,13 +15,14 @@ On-disk layout of `flashdraft prepare OUT` (all writes atomic, re-runs skip fini
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from ..atomic import atomic_dir, write_text
@@ -163,7 +165,25 @@ def shard_dir(out: Path, i: int) -> Path:
     return out / f"shard_{i:05d}"
 
 
-def write_shard(path: Path, seqs: list[Sequence]) -> None:
+def prompts_hash(prompts: list[str]) -> str:
+    return hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
+
+
+def shard_done(path: Path, prompts: list[str]) -> bool:
+    """A finished shard made from exactly these prompts (older shards without a hash: same count)."""
+    file = path / "tokens.safetensors"
+    if not file.is_file():
+        return False
+    try:
+        with safe_open(str(file), "pt") as f:
+            stored = (f.metadata() or {}).get("prompts_sha256")
+            count = f.get_slice("offsets").get_shape()[0] - 1
+    except (SafetensorError, OSError):
+        return False
+    return stored == prompts_hash(prompts) if stored else count == len(prompts)
+
+
+def write_shard(path: Path, seqs: list[Sequence], prompts: list[str] | None = None) -> None:
     """Write one shard directory atomically (tokens, and features when every sequence has them)."""
     lens = torch.tensor([0] + [len(s.input_ids) for s in seqs], dtype=torch.int64)
     tokens = {"input_ids": torch.cat([s.input_ids for s in seqs]).to(torch.int32),
@@ -172,7 +192,8 @@ def write_shard(path: Path, seqs: list[Sequence]) -> None:
     with atomic_dir(path) as tmp:
         if all(s.features is not None for s in seqs):
             save_file({"features": torch.cat([s.features for s in seqs]).contiguous()}, str(tmp / "features.safetensors"))
-        save_file(tokens, str(tmp / "tokens.safetensors"), metadata={"format": FORMAT})
+        meta = {"format": FORMAT, **({"prompts_sha256": prompts_hash(prompts)} if prompts is not None else {})}
+        save_file(tokens, str(tmp / "tokens.safetensors"), metadata=meta)
 
 
 def read_shard(path: Path, features: bool = False) -> list[Sequence]:
@@ -210,7 +231,8 @@ def load_sequences(data_dir: str | Path, features: bool = False) -> list[Sequenc
     meta = read_meta(data_dir)
     if features and not meta.get("feature_layer_ids"):
         raise FlashdraftError(f"{data_dir} has no stored features; re-run prepare with --features or train online")
-    shards = sorted(p for p in data_dir.glob("shard_*") if p.is_dir())
+    n_shards = math.ceil(meta["num_prompts"] / meta["shard_size"])  # shards past it are from a larger earlier run
+    shards = [shard_dir(data_dir, i) for i in range(n_shards) if (shard_dir(data_dir, i) / "tokens.safetensors").is_file()]
     seqs = [s for p in shards for s in read_shard(p, features)]
     if not seqs:
         raise FlashdraftError(f"{data_dir} holds no finished shards yet; wait for flashdraft prepare or re-run it")
@@ -256,7 +278,7 @@ def prepare(target, prompts: list[str], out_dir: str | Path, *, max_new_tokens: 
             "dtype": str(next(model.parameters()).dtype).replace("torch.", "")}
     if (out / "meta.json").is_file():
         old = read_meta(out)
-        diff = [k for k in meta if k not in ("sources", "dtype") and old.get(k) != meta[k]]
+        diff = [k for k in meta if k not in ("sources", "dtype", "num_prompts") and old.get(k) != meta[k]]
         if diff:
             raise FlashdraftError(f"{out} was prepared with different settings ({', '.join(f'{k}={old.get(k)!r}' for k in diff)}); "
                                   "use a new output directory or the same settings to resume")
@@ -267,7 +289,7 @@ def prepare(target, prompts: list[str], out_dir: str | Path, *, max_new_tokens: 
     stop_ids = target.stop_token_ids()
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else (stop_ids[0] if stop_ids else 0)
     n_shards = math.ceil(len(prompts) / shard_size)
-    todo = [i for i in range(n_shards) if not (shard_dir(out, i) / "tokens.safetensors").is_file()]
+    todo = [i for i in range(n_shards) if not shard_done(shard_dir(out, i), prompts[i * shard_size:(i + 1) * shard_size])]
     done_prompts = len(prompts) - sum(len(prompts[i * shard_size:(i + 1) * shard_size]) for i in todo)
     bar = tqdm(total=len(prompts), initial=done_prompts, unit="seq", disable=not progress, dynamic_ncols=True,
                desc="prepare", smoothing=0.05)
@@ -292,7 +314,7 @@ def prepare(target, prompts: list[str], out_dir: str | Path, *, max_new_tokens: 
             bar.update(len(idx))
             dt = time.perf_counter() - t0
             bar.set_postfix_str(f"{new_tokens / dt:.0f} tok/s, shard {i + 1}/{n_shards}")
-        write_shard(shard_dir(out, i), seqs)  # type: ignore[arg-type]
+        write_shard(shard_dir(out, i), seqs, chunk)  # type: ignore[arg-type]
     bar.close()
     return summarize(out, time.perf_counter() - t0, new_tokens)
 

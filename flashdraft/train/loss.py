@@ -60,11 +60,11 @@ def block_loss(hidden: torch.Tensor, labels: torch.Tensor, w: torch.Tensor,
     rows = max(1, chunk_rows // max(1, labels.shape[1]))
 
     def chunk(h: torch.Tensor, y: torch.Tensor, t: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = logits_fn(h)
+        logits = logits_fn(h).float()  # one fp32 copy serves CE, KL and argmax (bf16 argmax is slow on CPU)
         num = weighted_ce(logits, y, w)
         if t is not None and kl_weight:
             num = num + kl_weight * weighted_kl(logits, t, w)
-        return num, logits.argmax(-1) == y
+        return num, logits.detach().argmax(-1) == y
 
     total, correct = hidden.new_zeros((), dtype=torch.float32), []
     for i in range(0, len(labels), rows):

@@ -20,7 +20,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -76,7 +76,6 @@ class TrainConfig:
     stop_after: int | None = None  # stop after this many steps in this session (checkpointing first)
     device: str | None = None
     loss_chunk: int = 4096  # logits rows per checkpointed chunk of the loss
-    extra: dict = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- mask token
@@ -192,7 +191,7 @@ def micro_loss(drafter: nn.Module, raw: nn.Module, target, seqs: list[Sequence],
         feats = torch.zeros(len(seqs), ids.shape[1], seqs[0].features.shape[-1], dtype=torch.bfloat16)
         for i, s in enumerate(seqs):
             feats[i, : len(s.input_ids)] = s.features
-        feats = feats.to(device)
+        feats = feats.to(device=device, dtype=torch.float32)  # autocast lowers it again when training in bf16
     else:
         with autocast(device, dtype):
             feats, tlogits = target_features(target, ids, attn, raw.config.target_layer_ids, cfg.kl_weight > 0)
@@ -283,10 +282,11 @@ def prepare_sequences(cfg: TrainConfig, drafter_cfg, vocab: int) -> tuple[list[S
 
 # ---------------------------------------------------------------- checkpoints
 
-def save_checkpoint(out: Path, step: int, drafter: nn.Module, opt, sched, cfg: TrainConfig) -> Path:
+def save_checkpoint(out: Path, step: int, drafter: nn.Module, opt, sched, cfg: TrainConfig, n_seqs: int) -> Path:
     """OUT/step_N: z-lab drafter files + train_state.pt, atomically; then OUT/latest and pruning."""
     path = out / f"step_{step:07d}"
-    state = {"step": step, "model": {k: v.detach().cpu().clone() for k, v in drafter.state_dict().items()},
+    state = {"step": step, "num_sequences": n_seqs,
+             "model": {k: v.detach().cpu().clone() for k, v in drafter.state_dict().items()},
              "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "config": asdict(cfg),
              "rng": {"torch": torch.get_rng_state(),
                      "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
@@ -354,6 +354,7 @@ def train(cfg: TrainConfig, target=None, log=print) -> dict:
     """Train a drafter; returns final metrics. `target` may be passed in (tests), else --target is loaded."""
     rank, world, local_rank = dist_info()
     check_config(cfg, world)
+    read_meta(cfg.data)  # fail on a bad --data before loading any model
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     if cfg.device:
@@ -379,6 +380,7 @@ def train(cfg: TrainConfig, target=None, log=print) -> dict:
     drafter = build_or_load_drafter(cfg, target).to(device)
     dc = drafter.config
     train_seqs, eval_seqs = prepare_sequences(cfg, dc, T.vocab_size(model))
+    n_seqs = len(train_seqs) + len(eval_seqs)
     B = dc.block_size
     w = position_weights(B, cfg.gamma)
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, int(0.04 * cfg.steps))
@@ -398,6 +400,9 @@ def train(cfg: TrainConfig, target=None, log=print) -> dict:
             say(f"flashdraft: nothing to resume in {out}; starting from step 0", file=sys.stderr)
         else:
             state = load_state(ckpt, cfg)
+            if state.get("num_sequences", n_seqs) != n_seqs:
+                raise FlashdraftError(f"--resume: {cfg.data} now has {n_seqs} usable sequences, the run started with "
+                                      f"{state['num_sequences']}; resume with the same data or use a new --out")
             drafter.load_state_dict(state["model"])
             opt.load_state_dict(state["optimizer"])
             sched.load_state_dict(state["scheduler"])
@@ -445,7 +450,7 @@ def train(cfg: TrainConfig, target=None, log=print) -> dict:
             with sync:
                 num, correct = micro_loss(ddp, drafter, model, seqs[j:j + mb], anchors[j:j + mb], cfg, w, device, dtype)
                 (num * (world / denom)).backward()
-            step_num += float(num)
+            step_num += float(num.detach())
             step_correct.append(correct.detach().cpu())
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
         opt.step()
@@ -475,8 +480,8 @@ def train(cfg: TrainConfig, target=None, log=print) -> dict:
                 row.update({f"eval_{k}": v for k, v in ev.items()})
             eta = (last_stop - done) / rate if rate > 0 else 0.0
             line = (f"step {done}/{cfg.steps} loss {row['loss']:.3f} acc {row['acc']:.3f} τ̂ {row['tau']:.2f}"
-                    + (f" | eval loss {row['eval_loss']:.3f} acc {row['eval_acc']:.3f} τ̂ {row['eval_tau']:.2f}"
-                       if "eval_loss" in row else "")
+                    + (f" | eval loss {row['eval_loss']:.3f} acc {row['eval_acc']:.3f} τ̂ {row['eval_tau']:.2f} "
+                       f"acc@k% {' '.join(f'{100 * a:.0f}' for a in row['eval_acc_pos'])}" if "eval_loss" in row else "")
                     + f" | lr {row['lr']:.2e} | {row['tok_s']:.0f} tok/s {row['blocks_s']:.1f} blocks/s"
                     + f" | eta {eta / 60:.1f} min")
             say(line, file=sys.stderr)
@@ -488,11 +493,11 @@ def train(cfg: TrainConfig, target=None, log=print) -> dict:
             acc_correct = []
             t_log, last_logged = time.perf_counter(), done
         if is_main and (done % cfg.save_every == 0 or done == last_stop):
-            path = save_checkpoint(out, done, drafter, opt, sched, cfg)
+            path = save_checkpoint(out, done, drafter, opt, sched, cfg, n_seqs)
             if done == last_stop:
                 say(f"flashdraft: saved {path} (use it as --drafter)", file=sys.stderr)
-        if world > 1:
-            dist.barrier()
+    if world > 1:
+        dist.barrier()  # rank 0 may still be writing the last checkpoint
     result["drafter"] = drafter
     result["final_step"] = last_stop
     return result
