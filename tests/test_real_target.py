@@ -1,0 +1,46 @@
+"""The embedded default target (SmolLM2-135M-Instruct) with a random drafter: lossless against HF greedy."""
+
+import pytest
+import torch
+
+from flashdraft.checkpoint import build_drafter
+from flashdraft.config import drafter_config_for
+from flashdraft.decode import generate_ids
+from flashdraft.models import load_target
+from helpers import hf_greedy
+from lossless import assert_greedy_lossless
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["What is 17 * 23?", "Write a Python function that reverses a string.",
+           "Name three colors. " * 50]  # the last is a ~280-token prompt
+
+
+@pytest.fixture(scope="module")
+def smol():
+    torch.set_num_threads(2)
+    target = load_target(dtype="float32")
+    torch.manual_seed(0)
+    drafter = build_drafter(drafter_config_for(target.model.config, 16, num_layers=1, block_size=16)).float().eval()
+    return target, drafter
+
+
+@pytest.mark.parametrize("prompt,block_sizes", [(PROMPTS[0], [1, 2, 4, 8, 16]), (PROMPTS[1], [4, 16]),
+                                                 (PROMPTS[2], [1, 16])])
+def test_smollm2_greedy_lossless(smol, prompt, block_sizes):
+    target, drafter = smol
+    ids = target.encode(prompt)
+    ref = hf_greedy(target.model, ids, 16)
+    for bs in block_sizes:
+        res = generate_ids(target.model, drafter, ids, block_size=bs, max_new_tokens=16,
+                           stop_token_ids=target.stop_token_ids())
+        assert_greedy_lossless(target.model, ids, res.output_ids, ref)
+
+
+def test_smollm2_stops_at_eos(smol):
+    target, drafter = smol
+    ids = target.encode("Reply with just the word yes.")
+    ref = target.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=64)[0, len(ids):].tolist()
+    assert ref[-1] == 2 and len(ref) < 64  # the target itself stops at <|im_end|>
+    res = generate_ids(target.model, drafter, ids, block_size=16, max_new_tokens=64, stop_token_ids=[2])
+    assert res.output_ids == ref
