@@ -223,6 +223,22 @@ def test_prepare_format_and_resume(tiny_dir, prompts_file, data_dir, tmp_path):
         prepare(target, prompts, copy, max_new_tokens=41, batch_size=8, shard_size=10, progress=False)
 
 
+def test_dataset_prompts_and_record_shapes(monkeypatch):
+    import types
+
+    from flashdraft.train.data import interleave, read_dataset_prompts
+
+    rows = [{"turns": ["a", "b"]}, {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]},
+            {"instruction": "i"}, {"conversations": [{"from": "human", "value": "h"}]}]
+    fake = types.SimpleNamespace(load_dataset=lambda name, config, split: rows)
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    assert read_dataset_prompts("x/y") == ["a", "u", "i", "h"]
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=lambda *a, **k: [{"id": 1}]))
+    with pytest.raises(FlashdraftError, match="no prompt found"):
+        read_dataset_prompts("x/y")
+    assert interleave([["a1", "a2", "a3"], ["b1"], ["c1", "c2"]]) == ["a1", "b1", "c1", "a2", "c2", "a3"]
+
+
 def test_pick_mask_token_id():
     tok = tiny_tokenizer()
     assert len(tok) == VOCAB - 1

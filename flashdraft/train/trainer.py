@@ -431,14 +431,13 @@ def train(cfg: TrainConfig, target=None, log=print) -> dict:
     t_log = time.perf_counter()
     t_start, step_start, last_logged = t_log, start, start
     result: dict = {}
-    step = start
     drafter.train()
     for step in range(start, last_stop):
         idx = step_indices(step, len(train_seqs), cfg.batch_size, cfg.seed)[rank::world]
         seqs = [train_seqs[i] for i in idx]
         anchors = [sample_anchors(s.loss_mask, B, cfg.anchors, anchor_generator(cfg.seed, step, i))
                    for s, i in zip(seqs, idx)]
-        n_blocks = torch.tensor(float(sum(len(a) for a in anchors)))
+        n_blocks = torch.tensor(float(sum(len(a) for a in anchors)), device=device)  # NCCL reduces GPU tensors
         if world > 1:
             dist.all_reduce(n_blocks)
         denom = float(n_blocks) * float(w.sum())
@@ -461,9 +460,10 @@ def train(cfg: TrainConfig, target=None, log=print) -> dict:
         acc_correct.extend(step_correct)
         done = step + 1
         if done % cfg.log_every == 0 or done == last_stop:
-            stats = torch.tensor([acc_num, acc_blocks, acc_tok])
+            stats = torch.tensor([acc_num, acc_blocks, acc_tok], device=device)
             c = torch.cat(acc_correct)
-            cstats = torch.tensor([float(c.long().cumprod(-1).sum()), float(c.sum()), float(c.numel()), float(len(c))])
+            cstats = torch.tensor([float(c.long().cumprod(-1).sum()), float(c.sum()), float(c.numel()), float(len(c))],
+                                  device=device)
             if world > 1:
                 dist.all_reduce(stats)
                 dist.all_reduce(cstats)
