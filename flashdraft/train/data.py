@@ -75,7 +75,9 @@ def read_jsonl_prompts(path: str | Path) -> list[str]:
             raise FlashdraftError(f"{path}:{i + 1}: not valid JSON ({e.msg})") from None
         if not isinstance(rec, dict):
             raise FlashdraftError(f"{path}:{i + 1}: expected a JSON object per line")
-        out.append(prompt_of(rec, f"{path}:{i + 1}"))
+        prompt = prompt_of(rec, f"{path}:{i + 1}")
+        if prompt.strip():  # an empty first turn has nothing to answer
+            out.append(prompt)
     if not out:
         raise FlashdraftError(f"prompt file {path} has no records")
     return out
@@ -92,7 +94,7 @@ def read_dataset_prompts(name: str, split: str = "train", config: str | None = N
     except Exception as e:  # noqa: BLE001 - datasets raises many types; report one line
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise FlashdraftError(f"could not load dataset {name!r} split {split!r}: {first}") from None
-    return [prompt_of(rec, f"{name}[{i}]") for i, rec in enumerate(ds)]
+    return [p for i, rec in enumerate(ds) if (p := prompt_of(rec, f"{name}[{i}]")).strip()]
 
 
 def interleave(lists: list[list[str]]) -> list[str]:
