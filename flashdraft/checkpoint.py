@@ -29,7 +29,7 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 def build_drafter(cfg: DrafterConfig) -> torch.nn.Module:
     """Instantiate the module for cfg.arch with randomly initialised weights."""
-    if cfg.arch == "dflash":
+    if cfg.arch in ("dflash", "dflash2"):
         return DFlashDrafter(cfg)
     raise FlashdraftError(f"drafter architecture {cfg.arch!r} is not supported by this version of flashdraft")
 

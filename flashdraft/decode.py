@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from . import target as T
-from .drafter import ContextCache, draft_block
+from .drafter import ContextCache, draft_hidden
 from .errors import FlashdraftError
 from .sampling import SamplingParams, accept_greedy, accept_sampling, process, sample
 
@@ -94,13 +94,17 @@ Proposer = Callable[[DecodeState, int, int], tuple[torch.Tensor, torch.Tensor | 
 
 def drafter_proposer(model: PreTrainedModel, drafter: torch.nn.Module, params: SamplingParams,
                      gen: torch.Generator | None) -> Proposer:
-    """Draft b-1 tokens in one drafter pass: argmax at T=0, else sampled from the processed q."""
+    """Draft b-1 tokens in one drafter pass: argmax at T=0, else sampled from the processed q (DFlash 2: path walk)."""
     embed, head, mask_id = T.embed(model), T.lm_head(model), drafter.config.mask_token_id
+    selector = getattr(drafter, "candidate_selector", None)
 
     def propose(state: DecodeState, start: int, b: int):
         block = torch.tensor([state.tokens[-1]] + [mask_id] * (b - 1), device=model.device)
         block_emb = embed(block)[None].to(next(drafter.parameters()).dtype)
-        logits = draft_block(drafter, state.draft_cache, state.take_pending()[None], block_emb, start, head)
+        hidden = draft_hidden(drafter, state.draft_cache, state.take_pending()[None], block_emb, start)
+        logits = drafter.logits(hidden, head)
+        if selector is not None:  # DFlash 2: walk the candidate paths; q is the selector's softmax
+            return selector.walk(hidden, logits, state.tokens[-1], params.temperature, gen)
         if params.greedy:
             return logits.argmax(-1), None
         q = process(logits, params)

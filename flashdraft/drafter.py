@@ -83,10 +83,20 @@ class DrafterLayer(nn.Module):
         self.mlp = Qwen3MLP(cfg.to_qwen3())
         self.input_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        if cfg.arch == "dflash2":
+            from .dflash2 import ShortConv
 
-    def forward(self, x: torch.Tensor, rope: tuple, ctx: KV, mask: torch.Tensor | None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, ctx, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+            self.attention_conv, self.mlp_conv = ShortConv(cfg), ShortConv(cfg)
+
+    def forward(self, x: torch.Tensor, rope: tuple, ctx: KV, mask: torch.Tensor | None,
+                block_size: int) -> torch.Tensor:
+        def attn(h: torch.Tensor) -> torch.Tensor:
+            return self.self_attn(h, rope, ctx, mask)
+
+        h = self.input_layernorm(x)
+        x = x + (self.attention_conv.around(h, attn, block_size) if hasattr(self, "attention_conv") else attn(h))
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp_conv.around(h, self.mlp, block_size) if hasattr(self, "mlp_conv") else self.mlp(h))
 
 
 class DFlashDrafter(nn.Module):
@@ -100,6 +110,10 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(cfg.to_qwen3())
+        if cfg.arch == "dflash2":
+            from .dflash2 import CandidateSelector
+
+            self.candidate_selector = CandidateSelector(cfg)
 
     def rope(self, positions: torch.Tensor, like: torch.Tensor) -> tuple:
         """positions: [b, n] absolute ids → (cos, sin) [b, n, head_dim] in like's dtype."""
@@ -112,13 +126,15 @@ class DFlashDrafter(nn.Module):
         return [layer.self_attn.kv(c, *rope) for layer in self.layers]
 
     def forward(self, block_emb: torch.Tensor, block_pos: torch.Tensor, ctx: list[KV],
-                masks: dict[str, torch.Tensor | None] | None = None) -> torch.Tensor:
-        """block_emb: [b, T, h] embedded blocks at positions [b, T] → final-normed hidden states [b, T, h]."""
+                masks: dict[str, torch.Tensor | None] | None = None, block_size: int | None = None) -> torch.Tensor:
+        """block_emb: [b, T, h] embedded blocks (T = n_blocks * block_size, default one block) at positions [b, T]
+        → final-normed hidden states [b, T, h]."""
         rope = self.rope(block_pos, block_emb)
         masks = masks or {}
+        block_size = block_size or block_emb.shape[1]
         x = block_emb
         for layer, kind, layer_ctx in zip(self.layers, self.config.layer_types, ctx):
-            x = layer(x, rope, layer_ctx, masks.get(kind))
+            x = layer(x, rope, layer_ctx, masks.get(kind), block_size)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
@@ -146,12 +162,12 @@ def inference_masks(cfg: DrafterConfig, block_pos: torch.Tensor, n_ctx: int) -> 
     return {"sliding_attention": sliding_mask(block_pos, k_pos, cfg.sliding_window)}
 
 
-def draft_block(drafter: DFlashDrafter, cache: ContextCache, new_features: torch.Tensor,
-                block_emb: torch.Tensor, start: int, lm_head: nn.Module) -> torch.Tensor:
-    """Add committed features to the cache and draft a block starting at position `start`.
+def draft_hidden(drafter: DFlashDrafter, cache: ContextCache, new_features: torch.Tensor,
+                 block_emb: torch.Tensor, start: int) -> torch.Tensor:
+    """Add committed features to the cache and run the drafter on a block starting at position `start`.
 
     new_features: [1, n_new, F] for positions cache.length..start-1; block_emb: [1, B, h].
-    Returns logits [B-1, V] for block positions 1..B-1.
+    Returns final hidden states [B-1, h] of block positions 1..B-1.
     """
     n_new = new_features.shape[1]
     assert cache.length + n_new == start, (cache.length, n_new, start)
@@ -161,5 +177,10 @@ def draft_block(drafter: DFlashDrafter, cache: ContextCache, new_features: torch
         cache.extend(drafter.context_kv(new_features.to(block_emb.dtype), ctx_pos))
     b = block_emb.shape[1]
     block_pos = torch.arange(start, start + b, device=dev)[None]
-    hidden = drafter(block_emb, block_pos, cache.kv, inference_masks(drafter.config, block_pos, start))
-    return drafter.logits(hidden[0, 1:], lm_head)
+    return drafter(block_emb, block_pos, cache.kv, inference_masks(drafter.config, block_pos, start))[0, 1:]
+
+
+def draft_block(drafter: DFlashDrafter, cache: ContextCache, new_features: torch.Tensor,
+                block_emb: torch.Tensor, start: int, lm_head: nn.Module) -> torch.Tensor:
+    """draft_hidden, then the target's LM head: logits [B-1, V] for block positions 1..B-1."""
+    return drafter.logits(draft_hidden(drafter, cache, new_features, block_emb, start), lm_head)

@@ -13,7 +13,7 @@ from lossless import assert_greedy_lossless
 pytestmark = pytest.mark.slow
 
 PROMPTS = ["What is 17 * 23?", "Write a Python function that reverses a string.",
-           "Name three colors. " * 50]  # the last is a ~280-token prompt
+           "Name three colors. " * 60]  # the last is a ~280-token prompt
 
 
 @pytest.fixture(scope="module")
