@@ -102,9 +102,9 @@ def drafter_proposer(model: PreTrainedModel, drafter: torch.nn.Module, params: S
         block = torch.tensor([state.tokens[-1]] + [mask_id] * (b - 1), device=model.device)
         block_emb = embed(block)[None].to(next(drafter.parameters()).dtype)
         hidden = draft_hidden(drafter, state.draft_cache, state.take_pending()[None], block_emb, start)
-        logits = drafter.logits(hidden, head)
+        logits = drafter.logits(hidden, head)[1:]  # all B rows through the head: see draft_block
         if selector is not None:  # DFlash 2: walk the candidate paths; q is the selector's softmax
-            return selector.walk(hidden, logits, state.tokens[-1], params.temperature, gen)
+            return selector.walk(hidden[1:], logits, state.tokens[-1], params.temperature, gen)
         if params.greedy:
             return logits.argmax(-1), None
         q = process(logits, params)

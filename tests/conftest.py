@@ -7,7 +7,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(1)  # tiny models: one thread avoids oversubscription stalls on small CPUs
 
-from helpers import random_drafter, tiny_target  # noqa: E402
+from helpers import tiny_target  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,5 @@
 """Speculative sampling reproduces the target's own sampling distribution (end to end, tiny model)."""
 
-import itertools
 
 import pytest
 import torch
