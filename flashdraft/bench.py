@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import FlashdraftError
+from .jsonl import read_records
 
 HUB_DATASETS = {  # name → (hub id, config, split, record → turns)
     "gsm8k": ("openai/gsm8k", "main", "test", lambda r: [r["question"]]),
@@ -149,20 +150,10 @@ class Prompt:
 def load_jsonl(path: Path, label: str) -> list[Prompt]:
     """Records in the {"id": ..., "turns": [...]} shape."""
     prompts = []
-    try:
-        lines = path.read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise FlashdraftError(f"cannot read dataset {path}: {e}") from None
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise FlashdraftError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-        turns = rec.get("turns") if isinstance(rec, dict) else None
+    for where, rec in read_records(path):
+        turns = rec.get("turns")
         if not (isinstance(turns, list) and turns and all(isinstance(t, str) and t for t in turns)):
-            raise FlashdraftError(f'{path}:{n}: expected {{"turns": ["non-empty prompt", ...]}}')
+            raise FlashdraftError(f'{where}: expected {{"turns": ["non-empty prompt", ...]}}')
         prompts.append(Prompt(str(rec.get("id", f"{label}-{len(prompts)}")), turns))
     if not prompts:
         raise FlashdraftError(f"dataset {path} has no records")

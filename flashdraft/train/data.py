@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from ..atomic import atomic_dir, write_text
 from ..errors import FlashdraftError
+from ..jsonl import read_records
 
 FORMAT = "flashdraft-data-v1"
 PROMPT_KEYS = ("prompt", "instruction", "question", "input", "text")
@@ -62,20 +63,9 @@ def prompt_of(record: dict, where: str) -> str:
 
 def read_jsonl_prompts(path: str | Path) -> list[str]:
     """First turns of every record in a JSONL file."""
-    path = Path(path)
-    if not path.is_file():
-        raise FlashdraftError(f"prompt file {path} not found; pass a JSONL file with {{\"turns\": [str, ...]}} records")
     out = []
-    for i, line in enumerate(path.read_text().split("\n")):  # not splitlines(): U+2028 may sit inside strings
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise FlashdraftError(f"{path}:{i + 1}: not valid JSON ({e.msg})") from None
-        if not isinstance(rec, dict):
-            raise FlashdraftError(f"{path}:{i + 1}: expected a JSON object per line")
-        prompt = prompt_of(rec, f"{path}:{i + 1}")
+    for where, rec in read_records(path):
+        prompt = prompt_of(rec, where)
         if prompt.strip():  # an empty first turn has nothing to answer
             out.append(prompt)
     if not out:
