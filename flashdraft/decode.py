@@ -120,11 +120,11 @@ def _now(device: torch.device) -> float:
 
 
 def _truncate(new: list[int], stop_ids: set[int], room: int) -> tuple[list[int], bool]:
-    """Cut after the first stop token and to the room left; returns (tokens, finished)."""
+    """Cut after the first stop token and to the room left; returns (tokens, hit a stop token)."""
     for i, t in enumerate(new[:room]):
         if t in stop_ids:
             return new[: i + 1], True
-    return new[:room], len(new) >= room
+    return new[:room], False
 
 
 def check_args(block_size: int, max_new_tokens: int) -> None:
@@ -162,13 +162,17 @@ def decode(model: PreTrainedModel, prompt_ids: list[int], *, block_size: int, ma
         state.add_pending(out.features)
     state.tokens.append(first)
     timing.prefill_s = _now(dev) - t0
-    new, done = _truncate([first], stop, room)
+    new, stopped = _truncate([first], stop, room)
     room -= len(new)
+    produced = 1  # tokens produced so far, including any cut off by the length limit
     if state_hook:
         state_hook(state)
     yield Cycle([], 0, new)
 
-    while not done:
+    # Like the reference implementation, cycle while the anchor lies inside max_new_tokens (produced <= max_new):
+    # a generation that lands exactly on the limit verifies its last token once more, emitting nothing, so
+    # per-cycle records match the reference's.
+    while not stopped and (room > 0 or produced == max_new_tokens):
         start = state.committed  # position of the anchor
         b = min(block_size, limit - start)
         t1 = _now(dev)
@@ -184,7 +188,8 @@ def decode(model: PreTrainedModel, prompt_ids: list[int], *, block_size: int, ma
             n_acc, nxt = accept_greedy(drafts, out.logits.argmax(-1))
         else:
             n_acc, nxt = accept_sampling(drafts, q if q is not None else out.logits[:0], process(out.logits, params), gen)
-        new, done = _truncate(drafts[:n_acc].tolist() + [nxt], stop, room)
+        new, stopped = _truncate(drafts[:n_acc].tolist() + [nxt], stop, room)
+        produced += n_acc + 1
         # commit the anchor and the drafts that were emitted; the last emitted token is the next anchor
         T.rollback_to(state.target_cache, start + len(new))
         if layer_ids:
