@@ -135,7 +135,7 @@ def add_train(sub) -> None:
     p.add_argument("--keep-last", type=int, default=d.keep_last, help="checkpoints to keep")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--resume", action="store_true", help="continue from OUT/latest (bit-for-bit)")
-    p.add_argument("--stop-after", type=int, help="stop (with a checkpoint) after this many steps in this session")
+    p.add_argument("--stop-after", type=int, help="stop (with a checkpoint) after this many steps in this run")
     p.add_argument("--loss-chunk", type=int, default=d.loss_chunk, help="logit rows per checkpointed loss chunk")
     p.add_argument("--device", default=None, help="torch device (default: cuda:LOCAL_RANK if available, else cpu)")
     p.add_argument("--threads", type=int, help="torch CPU threads per process")

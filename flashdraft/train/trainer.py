@@ -73,7 +73,7 @@ class TrainConfig:
     keep_last: int = 3
     seed: int = 0
     resume: bool = False
-    stop_after: int | None = None  # stop after this many steps in this session (checkpointing first)
+    stop_after: int | None = None  # stop after this many steps in this run (checkpointing first)
     device: str | None = None
     loss_chunk: int = 4096  # logits rows per checkpointed chunk of the loss
 
