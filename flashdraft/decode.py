@@ -97,10 +97,11 @@ def drafter_proposer(model: PreTrainedModel, drafter: torch.nn.Module, params: S
     """Draft b-1 tokens in one drafter pass: argmax at T=0, else sampled from the processed q (DFlash 2: path walk)."""
     embed, head, mask_id = T.embed(model), T.lm_head(model), drafter.config.mask_token_id
     selector = getattr(drafter, "candidate_selector", None)
+    dtype = next(drafter.parameters()).dtype
 
     def propose(state: DecodeState, start: int, b: int):
         block = torch.tensor([state.tokens[-1]] + [mask_id] * (b - 1), device=model.device)
-        block_emb = embed(block)[None].to(next(drafter.parameters()).dtype)
+        block_emb = embed(block)[None].to(dtype)
         hidden = draft_hidden(drafter, state.draft_cache, state.take_pending()[None], block_emb, start)
         logits = drafter.logits(hidden, head)[1:]  # all B rows through the head: see draft_block
         if selector is not None:  # DFlash 2: walk the candidate paths; q is the selector's softmax
