@@ -137,9 +137,13 @@ class DFlashDrafter(nn.Module):
             x = layer(x, rope, layer_ctx, masks.get(kind), block_size)
         return self.norm(x)
 
-    def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-        """Apply the target's LM head, then the optional multiplier and soft-capping."""
-        logits = lm_head(hidden.to(lm_head.weight.dtype))
+    def logits(self, hidden: torch.Tensor, lm_head: nn.Module, vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Apply the target's LM head (only its rows `vocab_ids` if given), then multiplier and soft-capping."""
+        if vocab_ids is None:
+            logits = lm_head(hidden.to(lm_head.weight.dtype))
+        else:
+            bias = None if lm_head.bias is None else lm_head.bias[vocab_ids]
+            logits = F.linear(hidden.to(lm_head.weight.dtype), lm_head.weight[vocab_ids], bias)
         if self.config.output_multiplier is not None:
             logits = logits * self.config.output_multiplier
         cap = self.config.final_logit_softcapping

@@ -43,6 +43,11 @@ def lm_head(model: PreTrainedModel) -> nn.Module:
     return model.get_output_embeddings()
 
 
+def final_norm(model: PreTrainedModel) -> nn.Module | None:
+    """The target's last norm before the LM head, when the model exposes one as `model.norm`."""
+    return getattr(getattr(model, "model", None), "norm", None)
+
+
 def new_cache(model: PreTrainedModel) -> DynamicCache:
     cache = DynamicCache(config=model.config)
     if hasattr(cache, "activate_past_recording"):

@@ -19,7 +19,8 @@ from flashdraft.drafter import ContextCache, draft_block
 from flashdraft.errors import FlashdraftError
 from flashdraft.models import Target, load_target
 from flashdraft.train.data import load_sequences, prepare, read_jsonl_prompts
-from flashdraft.train.loss import block_loss, position_weights, tau_hat, weighted_ce
+from flashdraft.train.loss import (block_loss, loss_vocabulary, position_weights, remap_labels, tau_hat,
+                                   weighted_ce)
 from flashdraft.train.mask import eligible_anchors, pad_anchors, sample_anchors, training_mask, training_masks
 from flashdraft.train.trainer import (TrainConfig, block_labels, drafter_hidden, pick_mask_token_id, step_indices,
                                       train)
@@ -223,6 +224,22 @@ def test_prepare_format_and_resume(tiny_dir, prompts_file, data_dir, tmp_path):
         prepare(target, prompts, copy, max_new_tokens=41, batch_size=8, shard_size=10, progress=False)
 
 
+def test_prepare_features_adds_to_an_existing_set(tiny_dir, prompts_file, data_dir, tmp_path):
+    target = load_target(str(tiny_dir))
+    prompts = read_jsonl_prompts(prompts_file)
+    out = tmp_path / "plain"
+    prepare(target, prompts, out, max_new_tokens=40, batch_size=8, shard_size=10, progress=False)
+    with pytest.raises(FlashdraftError, match="no stored features"):
+        load_sequences(out, features=True)
+    prepare(target, prompts, out, max_new_tokens=40, batch_size=5, shard_size=10, feature_layer_ids=[2],
+            progress=False)  # no regeneration: features come from the stored tokens
+    got, ref = load_sequences(out, features=True), load_sequences(data_dir, features=True)
+    assert [s.input_ids.tolist() for s in got] == [s.input_ids.tolist() for s in ref]
+    assert all(torch.allclose(a.features.float(), b.features.float(), atol=0.05, rtol=0.02) for a, b in zip(got, ref))
+    with pytest.raises(FlashdraftError, match="different settings"):  # changing stored features is not adding them
+        prepare(target, prompts, out, max_new_tokens=40, shard_size=10, feature_layer_ids=[1], progress=False)
+
+
 def test_dataset_prompts_and_record_shapes(monkeypatch):
     import types
 
@@ -277,6 +294,54 @@ def test_offline_training(data_dir, tiny_dir, tmp_path):
     assert res["final_step"] == 3 and torch.isfinite(torch.tensor(res["loss"]))
 
 
+def test_sampled_softmax_is_the_full_softmax_restricted(tiny_llama):
+    torch.manual_seed(0)
+    drafter = random_drafter(tiny_llama, num_layers=1, block_size=4)
+    head = T.lm_head(tiny_llama)
+    h, labels = torch.randn(5, 3, drafter.config.hidden_size), torch.randint(0, VOCAB, (5, 3))
+    frequent = torch.tensor([7, 3, 50])
+    ids = loss_vocabulary(frequent, labels, 4, VOCAB, torch.Generator().manual_seed(1))
+    assert torch.equal(ids, ids.unique()) and set(labels.flatten().tolist()) | {3, 7, 50} <= set(ids.tolist())
+    y = remap_labels(labels, ids)
+    assert torch.equal(ids[y], labels)
+    full = drafter.logits(h, head)
+    assert torch.allclose(drafter.logits(h, head, ids), full[..., ids], atol=1e-6)
+    w = position_weights(4)
+    num, correct = block_loss(h, y, w, lambda x: drafter.logits(x, head, ids))
+    ref = weighted_ce(full[..., ids], y, w)
+    assert torch.allclose(num, ref, atol=1e-5) and torch.equal(correct, full[..., ids].argmax(-1) == y)
+
+
+def test_target_init_copies_the_last_layers(tiny_dir, data_dir, tmp_path):
+    from flashdraft.train.trainer import build_or_load_drafter
+
+    target = load_target(str(tiny_dir))
+    layers = target.model.model.layers
+    d = build_or_load_drafter(tiny_cfg(data_dir, tmp_path / "o", num_layers=2, target_init=True), target)
+    for i, src in enumerate(layers[-2:]):
+        assert torch.equal(d.layers[i].mlp.down_proj.weight, src.mlp.down_proj.weight)
+        assert torch.equal(d.layers[i].self_attn.k_proj.weight, src.self_attn.k_proj.weight)
+    assert torch.equal(d.norm.weight, target.model.model.norm.weight)
+    h = d.config.hidden_size
+    assert torch.equal(d.fc.weight[:, -h:], torch.eye(h)) and not d.fc.weight[:, :-h].any()
+    plain = build_or_load_drafter(tiny_cfg(data_dir, tmp_path / "o", num_layers=2), target)
+    assert not torch.equal(plain.layers[0].mlp.down_proj.weight, layers[-2].mlp.down_proj.weight)
+    assert torch.equal(plain.norm.weight, target.model.model.norm.weight)
+
+
+def test_sampled_softmax_training(data_dir, tiny_dir, tmp_path):
+    target = load_target(str(tiny_dir))
+    quiet = lambda *a, **k: None  # noqa: E731
+    with pytest.raises(FlashdraftError, match="--kl-weight needs the full vocabulary"):
+        train(tiny_cfg(data_dir, tmp_path / "kl", loss_vocab=16, kl_weight=0.5), target=target, log=quiet)
+    full = train(tiny_cfg(data_dir, tmp_path / "a", loss_vocab=16), target=target, log=quiet)
+    part = train(tiny_cfg(data_dir, tmp_path / "b", loss_vocab=16, stop_after=3), target=target, log=quiet)
+    resumed = train(tiny_cfg(data_dir, tmp_path / "b", loss_vocab=16, resume=True), target=target, log=quiet)
+    assert part["final_step"] == 3 and "eval_tau" in full
+    a, b = full["drafter"].state_dict(), resumed["drafter"].state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)  # the sampled ids are a pure function of (seed, step)
+
+
 # ---------------------------------------------------------------- (d) resume bit-for-bit
 
 def test_resume_is_bit_for_bit(data_dir, tiny_dir, tmp_path):
@@ -310,7 +375,8 @@ def test_data_order_is_a_pure_function_of_step():
 def test_torchrun_ddp_matches_single_process(data_dir, tiny_dir, tmp_path):
     args = ["train", "--data", str(data_dir), "--out", "{out}", "--target", str(tiny_dir), "--num-layers", "2",
             "--block-size", "4", "--steps", "2", "--batch-size", "4", "--anchors", "8", "--lr", "1e-3",
-            "--dtype", "float32", "--save-dtype", "float32", "--eval-sequences", "2", "--threads", "1"]
+            "--dtype", "float32", "--save-dtype", "float32", "--eval-sequences", "2", "--threads", "1",
+            "--loss-vocab", "24"]  # the sampled softmax must draw the same ids on every rank
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     ddp = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29533",
            "-m", "flashdraft.cli"] + [a.format(out=tmp_path / "ddp") for a in args]

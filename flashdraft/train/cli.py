@@ -136,6 +136,12 @@ def add_train(sub) -> None:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--resume", action="store_true", help="continue from OUT/latest (bit-for-bit)")
     p.add_argument("--stop-after", type=int, help="stop (with a checkpoint) after this many steps in this run")
+    p.add_argument("--target-init", action="store_true",
+                   help="warm-start a new drafter's layers from the target's last layers and fc from its last feature "
+                        "layer (needs equal layer shapes); the final norm always starts as the target's")
+    p.add_argument("--loss-vocab", type=int, default=d.loss_vocab, metavar="N",
+                   help="sampled softmax over the N most frequent training tokens, the step's labels and N/4 random "
+                        "ids (several times faster on CPU; evaluation stays full-vocabulary); 0 = full vocabulary")
     p.add_argument("--loss-chunk", type=int, default=d.loss_chunk, help="logit rows per checkpointed loss chunk")
     p.add_argument("--device", default=None, help="torch device (default: cuda:LOCAL_RANK if available, else cpu)")
     p.add_argument("--threads", type=int, help="torch CPU threads per process")

@@ -271,6 +271,8 @@ def prepare(target, prompts: list[str], out_dir: str | Path, *, max_new_tokens: 
     if (out / "meta.json").is_file():
         old = read_meta(out)
         diff = [k for k in meta if k not in ("sources", "dtype", "num_prompts") and old.get(k) != meta[k]]
+        if diff == ["feature_layer_ids"] and old.get("feature_layer_ids") is None:
+            diff = []  # --features on a set prepared without: add features to the finished shards below
         if diff:
             raise FlashdraftError(f"{out} was prepared with different settings ({', '.join(f'{k}={old.get(k)!r}' for k in diff)}); "
                                   "use a new output directory or the same settings to resume")
@@ -283,6 +285,9 @@ def prepare(target, prompts: list[str], out_dir: str | Path, *, max_new_tokens: 
     n_shards = math.ceil(len(prompts) / shard_size)
     todo = [i for i in range(n_shards) if not shard_done(shard_dir(out, i), prompts[i * shard_size:(i + 1) * shard_size])]
     done_prompts = len(prompts) - sum(len(prompts[i * shard_size:(i + 1) * shard_size]) for i in todo)
+    if feature_layer_ids:
+        add_features(model, out, [i for i in range(n_shards) if i not in todo], prompts, shard_size,
+                     feature_layer_ids, batch_size, progress)
     bar = tqdm(total=len(prompts), initial=done_prompts, unit="seq", disable=not progress, dynamic_ncols=True,
                desc="prepare", smoothing=0.05)
     new_tokens, t0 = 0, time.perf_counter()
@@ -309,6 +314,27 @@ def prepare(target, prompts: list[str], out_dir: str | Path, *, max_new_tokens: 
         write_shard(shard_dir(out, i), seqs, chunk)  # type: ignore[arg-type]
     bar.close()
     return summarize(out, time.perf_counter() - t0, new_tokens)
+
+
+def add_features(model, out: Path, shards: list[int], prompts: list[str], shard_size: int, layer_ids: list[int],
+                 batch_size: int, progress: bool = True) -> None:
+    """Compute and store features for finished shards that lack them, from their stored tokens (no regeneration)."""
+    from tqdm import tqdm
+
+    missing = [i for i in shards if not (shard_dir(out, i) / "features.safetensors").is_file()]
+    if not missing:
+        return
+    bar = tqdm(total=len(missing), unit="shard", disable=not progress, dynamic_ncols=True, desc="features")
+    for i in missing:
+        seqs = read_shard(shard_dir(out, i))
+        order = sorted(range(len(seqs)), key=lambda j: len(seqs[j].input_ids))
+        for b0 in range(0, len(order), batch_size):
+            idx = order[b0:b0 + batch_size]
+            for j, f in zip(idx, target_features(model, [seqs[j].input_ids for j in idx], layer_ids)):
+                seqs[j].features = f
+        write_shard(shard_dir(out, i), seqs, prompts[i * shard_size:(i + 1) * shard_size])
+        bar.update(1)
+    bar.close()
 
 
 def summarize(out: Path, seconds: float = 0.0, new_tokens: int = 0) -> dict:

@@ -80,6 +80,23 @@ def block_loss(hidden: torch.Tensor, labels: torch.Tensor, w: torch.Tensor,
     return total, torch.cat(correct)
 
 
+def loss_vocabulary(frequent: torch.Tensor, labels: torch.Tensor, n_random: int, vocab: int,
+                    gen: torch.Generator) -> torch.Tensor:
+    """Sorted token ids the softmax runs over: the frequent ids, this step's labels and n_random other ids.
+
+    A sampled softmax: with a few thousand ids instead of the full vocabulary the LM-head GEMMs (the bulk of a CPU
+    training step) shrink by the same factor; the random ids, redrawn every step, keep pushing down the logits of
+    tokens the data never shows. Evaluation always uses the full vocabulary.
+    """
+    rand = torch.randint(0, vocab, (n_random,), generator=gen)
+    return torch.unique(torch.cat([frequent.cpu(), labels.flatten().cpu(), rand]))
+
+
+def remap_labels(labels: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
+    """Token ids → their index in the sorted vocab_ids (every label must be in it)."""
+    return torch.searchsorted(vocab_ids, labels)
+
+
 def mean_loss(num: torch.Tensor, n_blocks: int, w: torch.Tensor) -> torch.Tensor:
     """Numerator → mean weighted loss per block (Σ w_k CE_k / Σ w_k averaged over blocks)."""
     return num / (max(n_blocks, 1) * float(w.sum()))

@@ -33,12 +33,14 @@ from ..checkpoint import build_drafter, check_compatible, load_drafter, parse_dt
 from ..config import drafter_config_for
 from ..errors import FlashdraftError
 from .data import Sequence, load_sequences, read_meta, right_pad
-from .loss import block_loss, mean_loss, position_accuracy, position_weights, tau_hat
+from .loss import (block_loss, loss_vocabulary, mean_loss, position_accuracy, position_weights, remap_labels,
+                   tau_hat)
 from .mask import block_positions, eligible_anchors, pad_anchors, sample_anchors, training_masks
 
 # settings that must not change when resuming (they change the data order, the model or the schedule)
 RESUME_KEYS = ("data", "num_layers", "block_size", "mask_token_id", "steps", "batch_size", "lr", "min_lr_ratio",
-               "warmup_steps", "weight_decay", "anchors", "gamma", "kl_weight", "seed", "offline", "eval_sequences")
+               "warmup_steps", "weight_decay", "anchors", "gamma", "kl_weight", "seed", "offline", "eval_sequences",
+               "loss_vocab", "target_init")
 
 
 @dataclass
@@ -76,6 +78,8 @@ class TrainConfig:
     stop_after: int | None = None  # stop after this many steps in this run (checkpointing first)
     device: str | None = None
     loss_chunk: int = 4096  # logits rows per checkpointed chunk of the loss
+    target_init: bool = False  # warm-start a fresh drafter's layers from the target's last layers
+    loss_vocab: int = 0  # >0: sampled softmax over the N most frequent training tokens (+ labels, + N/4 random ids)
 
 
 # ---------------------------------------------------------------- mask token
@@ -179,8 +183,12 @@ def autocast(device: torch.device, dtype: torch.dtype):
 
 
 def micro_loss(drafter: nn.Module, raw: nn.Module, target, seqs: list[Sequence], anchors: list[torch.Tensor],
-               cfg: TrainConfig, w: torch.Tensor, device: torch.device, dtype: torch.dtype):
-    """Loss numerator and correctness [M, B-1] for a micro-batch of sequences with their anchors."""
+               cfg: TrainConfig, w: torch.Tensor, device: torch.device, dtype: torch.dtype,
+               vocab_ids: torch.Tensor | None = None):
+    """Loss numerator and correctness [M, B-1] for a micro-batch of sequences with their anchors.
+
+    vocab_ids: sorted ids of a sampled softmax (containing every label), or None for the full vocabulary.
+    """
     B = raw.config.block_size
     ids, attn = right_pad([s.input_ids for s in seqs])
     ids, attn = ids.to(device), attn.to(device)
@@ -205,8 +213,11 @@ def micro_loss(drafter: nn.Module, raw: nn.Module, target, seqs: list[Sequence],
             tpos = (block_positions(a, B).view(*a.shape, B)[..., :-1])[valid]  # [M, B-1]
             bidx = torch.arange(len(seqs), device=device)[:, None].expand_as(a)[valid]
             t = tlogits[bidx[:, None], tpos]
-        num, correct = block_loss(h, labels, w.to(device), lambda x: raw.logits(x, lm_head), t, cfg.kl_weight,
-                                  cfg.loss_chunk)
+        if vocab_ids is not None:
+            vocab_ids = vocab_ids.to(device)
+            labels = remap_labels(labels, vocab_ids)
+        num, correct = block_loss(h, labels, w.to(device), lambda x: raw.logits(x, lm_head, vocab_ids), t,
+                                  cfg.kl_weight, cfg.loss_chunk)
     return num, correct
 
 
@@ -235,10 +246,44 @@ def build_or_load_drafter(cfg: TrainConfig, target) -> nn.Module:
                                 torch_dtype="float32")
         torch.manual_seed(cfg.seed)
         drafter = build_drafter(dc).float()
+        init_from_target(drafter, model, cfg.target_init)
     check_compatible(dc, T.num_layers(model), T.hidden_size(model), vocab, cfg.init_from or "drafter")
     if dc.block_size < 2:
         raise FlashdraftError(f"--block-size must be >= 2 for training, got {dc.block_size}")
     return drafter
+
+
+def init_from_target(drafter: nn.Module, model, copy_layers: bool) -> list[str]:
+    """Warm-start a fresh drafter from the frozen target; returns the names of the tensors copied.
+
+    Always: the final norm (so the first logits have the LM head's scale). With copy_layers: drafter layer i gets the
+    weights of target layer L - n + i wherever names and shapes agree (attention, MLP, norms), and `fc` starts as the
+    identity on the last selected feature layer, so the context stream begins as the target's own deep states.
+    """
+    src = {f"norm.{k}": v for k, v in (T.final_norm(model) or nn.Module()).state_dict().items()}
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if copy_layers and layers is not None:
+        n = len(drafter.layers)
+        for i in range(n):
+            src.update({f"layers.{i}.{k}": v for k, v in layers[len(layers) - n + i].state_dict().items()})
+    own = drafter.state_dict()
+    copied = [k for k, v in src.items() if k in own and own[k].shape == v.shape]
+    with torch.no_grad():
+        for k in copied:
+            own[k].copy_(src[k].float())
+        h = drafter.config.hidden_size
+        if copy_layers and drafter.fc.weight.shape[1] >= h:
+            drafter.fc.weight.zero_()
+            drafter.fc.weight[:, -h:] = torch.eye(h)
+            copied.append("fc.weight")
+    return copied
+
+
+def frequent_tokens(seqs: list[Sequence], n: int, vocab: int) -> torch.Tensor:
+    """The n most frequent response-token ids of the training set (ties by id, so deterministic)."""
+    counts = torch.bincount(torch.cat([s.input_ids[s.loss_mask.bool()] for s in seqs]), minlength=vocab)
+    order = torch.argsort(-counts, stable=True)
+    return order[: min(n, int((counts > 0).sum()))].sort().values
 
 
 def check_config(cfg: TrainConfig, world: int) -> None:
@@ -251,6 +296,10 @@ def check_config(cfg: TrainConfig, world: int) -> None:
         raise FlashdraftError(f"--lr must be > 0, got {cfg.lr}")
     if cfg.batch_size % world:
         raise FlashdraftError(f"--batch-size {cfg.batch_size} must be a multiple of the number of processes ({world})")
+    if cfg.loss_vocab < 0:
+        raise FlashdraftError(f"--loss-vocab must be >= 0 (0 = full vocabulary), got {cfg.loss_vocab}")
+    if cfg.loss_vocab and cfg.kl_weight > 0:
+        raise FlashdraftError("--kl-weight needs the full vocabulary: drop --loss-vocab")
     if cfg.offline and cfg.kl_weight > 0:
         raise FlashdraftError("--kl-weight needs the target's logits: train online (without --offline)")
     parse_dtype(cfg.dtype)
@@ -383,6 +432,10 @@ def train(cfg: TrainConfig, target=None, log=print) -> dict:
     n_seqs = len(train_seqs) + len(eval_seqs)
     B = dc.block_size
     w = position_weights(B, cfg.gamma)
+    frequent = None
+    if cfg.loss_vocab:  # + the mask token: its own logit starts high (the block input) and must be pushed down
+        frequent = torch.cat([frequent_tokens(train_seqs, cfg.loss_vocab, T.vocab_size(model)),
+                              torch.tensor([dc.mask_token_id])]).unique()
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, int(0.04 * cfg.steps))
     cfg.warmup_steps = warmup
     decay = [p for p in drafter.parameters() if p.dim() >= 2]
@@ -433,21 +486,28 @@ def train(cfg: TrainConfig, target=None, log=print) -> dict:
     result: dict = {}
     drafter.train()
     for step in range(start, last_stop):
-        idx = step_indices(step, len(train_seqs), cfg.batch_size, cfg.seed)[rank::world]
-        seqs = [train_seqs[i] for i in idx]
-        anchors = [sample_anchors(s.loss_mask, B, cfg.anchors, anchor_generator(cfg.seed, step, i))
-                   for s, i in zip(seqs, idx)]
+        all_idx = step_indices(step, len(train_seqs), cfg.batch_size, cfg.seed)
+        all_anchors = [sample_anchors(train_seqs[i].loss_mask, B, cfg.anchors, anchor_generator(cfg.seed, step, i))
+                       for i in all_idx]
+        seqs, anchors = [train_seqs[i] for i in all_idx[rank::world]], all_anchors[rank::world]
         n_blocks = torch.tensor(float(sum(len(a) for a in anchors)), device=device)  # NCCL reduces GPU tensors
         if world > 1:
             dist.all_reduce(n_blocks)
         denom = float(n_blocks) * float(w.sum())
+        vocab_ids = None
+        if frequent is not None:  # the same ids on every rank: labels of the global batch, generator of the step
+            labels = torch.cat([block_labels(train_seqs[i].input_ids[None], a[None], B).flatten()
+                                for i, a in zip(all_idx, all_anchors)])
+            vocab_ids = loss_vocabulary(frequent, labels, cfg.loss_vocab // 4, T.vocab_size(model),
+                                        anchor_generator(cfg.seed, step, -1))
         opt.zero_grad(set_to_none=True)
         step_num, step_correct = 0.0, []
         for j in range(0, len(seqs), mb):
             last = j + mb >= len(seqs)
             sync = contextlib.nullcontext() if (last or world == 1) else ddp.no_sync()
             with sync:
-                num, correct = micro_loss(ddp, drafter, model, seqs[j:j + mb], anchors[j:j + mb], cfg, w, device, dtype)
+                num, correct = micro_loss(ddp, drafter, model, seqs[j:j + mb], anchors[j:j + mb], cfg, w, device,
+                                          dtype, vocab_ids)
                 (num * (world / denom)).backward()
             step_num += float(num.detach())
             step_correct.append(correct.detach().cpu())
