@@ -89,6 +89,26 @@ class CandidateSelector(nn.Module):
         return torch.stack(drafts) if drafts else cand[:, 0], q
 
 
+def selector_loss(selector: CandidateSelector, hidden: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor,
+                  prev: torch.Tensor, w: torch.Tensor, vocab_ids: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Σ w_t CE over position t's top-k candidates, scored S_t(true predecessor, ·), and the recall mask [m, B-1].
+
+    hidden [m, B-1, H]; logits [m, B-1, V'] (over vocab_ids when a sampled softmax is used); labels / prev: true ids
+    of x[a+t] and x[a+t-1]. Positions whose true token is not among the candidates are skipped (no target exists;
+    inference could not pick it either). Candidate scores are detached: the block loss already trains them, this
+    loss trains the pair term.
+    """
+    k = min(selector.top_k, logits.shape[-1])
+    scores, idx = logits.detach().float().topk(k, -1)  # [m, B-1, k]
+    cand = idx if vocab_ids is None else vocab_ids[idx]
+    hit = cand == labels[..., None]
+    found = hit.any(-1)  # [m, B-1]
+    s = selector.pair_scores(hidden.float(), prev, cand, scores)
+    ce = F.cross_entropy(s.flatten(0, 1), hit.float().argmax(-1).flatten(), reduction="none").view(found.shape)
+    return (ce * found * w).sum(), found
+
+
 def upgrade_to_dflash2(drafter: nn.Module, **dflash2_fields) -> nn.Module:
     """A DFlash 2 drafter that drafts exactly like `drafter` (identity convolutions, zero pair term)."""
     from dataclasses import replace

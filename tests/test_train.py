@@ -145,7 +145,7 @@ def test_loss_weights_tau_and_chunking():
     y = torch.randint(0, 11, (7, 3))
     w = position_weights(4)
     ref = sum(w[k] * torch.nn.functional.cross_entropy(head(h[m, k]), y[m, k]) for m in range(7) for k in range(3))
-    num, cor = block_loss(h, y, w, head, chunk_rows=6)  # 2 rows per checkpointed chunk
+    num, cor, _ = block_loss(h, y, w, head, chunk_rows=6)  # 2 rows per checkpointed chunk
     assert torch.allclose(num, ref, atol=1e-5)
     assert torch.equal(cor, head(h).argmax(-1) == y)
     g1 = torch.autograd.grad(num, h)[0]
@@ -155,10 +155,11 @@ def test_loss_weights_tau_and_chunking():
 
 # ---------------------------------------------------------------- (b) training forward == inference forward
 
-@pytest.mark.parametrize("layer_types", [None, ["sliding_attention", "full_attention"]])
-def test_training_forward_matches_draft_block(tiny_llama, layer_types):
-    over = {"layer_types": layer_types, "sliding_window": 5} if layer_types else {}
-    drafter = random_drafter(tiny_llama, block_size=8, **over)
+@pytest.mark.parametrize("over", [{}, {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5},
+                                  {"arch": "dflash2", "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4}],
+                         ids=["full", "sliding", "dflash2"])
+def test_training_forward_matches_draft_block(tiny_llama, over):
+    drafter = random_drafter(tiny_llama, block_size=8, **over)  # dflash2: random convolutions must stay in-block
     B, n = 8, 40
     ids = torch.randint(0, VOCAB - 1, (1, n), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -307,7 +308,7 @@ def test_sampled_softmax_is_the_full_softmax_restricted(tiny_llama):
     full = drafter.logits(h, head)
     assert torch.allclose(drafter.logits(h, head, ids), full[..., ids], atol=1e-6)
     w = position_weights(4)
-    num, correct = block_loss(h, y, w, lambda x: drafter.logits(x, head, ids))
+    num, correct, _ = block_loss(h, y, w, lambda x: drafter.logits(x, head, ids))
     ref = weighted_ce(full[..., ids], y, w)
     assert torch.allclose(num, ref, atol=1e-5) and torch.equal(correct, full[..., ids].argmax(-1) == y)
 
@@ -327,6 +328,57 @@ def test_target_init_copies_the_last_layers(tiny_dir, data_dir, tmp_path):
     plain = build_or_load_drafter(tiny_cfg(data_dir, tmp_path / "o", num_layers=2), target)
     assert not torch.equal(plain.layers[0].mlp.down_proj.weight, layers[-2].mlp.down_proj.weight)
     assert torch.equal(plain.norm.weight, target.model.model.norm.weight)
+
+
+def test_selector_loss_scores_true_predecessor_and_skips_misses():
+    import types
+
+    from flashdraft.dflash2 import CandidateSelector, selector_loss
+
+    torch.manual_seed(0)
+    cfg = types.SimpleNamespace(hidden_size=8, vocab_size=20, selector_rank=3, selector_top_k=3)
+    sel = CandidateSelector(cfg)
+    torch.nn.init.normal_(sel.hidden_projection.weight)
+    h, logits = torch.randn(2, 3, 8), torch.randn(2, 3, 20)
+    top = logits.topk(3, -1).indices
+    labels = top[..., 1].clone()
+    labels[1, 2] = next(t for t in range(20) if t not in top[1, 2])  # not a candidate: skipped
+    prev = torch.randint(0, 20, (2, 3))
+    w = torch.tensor([1.0, 0.5, 0.25])
+    num, found = selector_loss(sel, h, logits, labels, prev, w)
+    assert found.tolist() == [[True] * 3, [True, True, False]]
+    ref = 0.0
+    with torch.no_grad():
+        for m, t in found.nonzero().tolist():
+            s = sel.pair_scores(h[m, t], prev[m, t], top[m, t], logits[m, t, top[m, t]])
+            ref += float(w[t] * torch.nn.functional.cross_entropy(s[None], torch.tensor([1])))
+    assert abs(float(num) - ref) < 1e-4
+    num.backward()
+    assert sel.hidden_projection.weight.grad.abs().sum() > 0
+
+
+def test_train_dflash2_from_dflash1_starts_equal(data_dir, tiny_dir, tmp_path):
+    from flashdraft.checkpoint import save_drafter
+    from flashdraft.decode import generate_ids
+    from flashdraft.train.trainer import build_or_load_drafter
+
+    target = load_target(str(tiny_dir))
+    d1 = random_drafter(target.model, num_layers=1, block_size=4, mask_id=MASK_ID)
+    save_drafter(d1, tmp_path / "d1")
+    cfg = tiny_cfg(data_dir, tmp_path / "o", init_from=str(tmp_path / "d1"), arch="dflash2", selector_rank=8,
+                   selector_top_k=4)
+    d2 = build_or_load_drafter(cfg, target).eval()
+    assert d2.config.arch == "dflash2" and d2.config.selector_rank == 8
+    prompt = target.encode("abc")
+    a, b = (generate_ids(target.model, d, prompt, max_new_tokens=30) for d in (d1, d2))
+    assert [c.block for c in a.cycles] == [c.block for c in b.cycles]  # identical drafts, cycle by cycle
+    res = train(cfg, target=target, log=lambda *a, **k: None)
+    assert len(res["eval_topk_recall_pos"]) == 3 and res["final_step"] == 6
+    saved = load_drafter(tmp_path / "o" / "step_0000006")
+    assert saved.config.arch == "dflash2" and saved.candidate_selector.hidden_projection.weight.abs().sum() > 0
+    with pytest.raises(FlashdraftError, match="is a DFlash 2 drafter"):
+        build_or_load_drafter(tiny_cfg(data_dir, tmp_path / "x", init_from=str(tmp_path / "o" / "step_0000006"),
+                                       arch="dflash"), target)
 
 
 def test_sampled_softmax_training(data_dir, tiny_dir, tmp_path):

@@ -136,6 +136,12 @@ def add_train(sub) -> None:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--resume", action="store_true", help="continue from OUT/latest (bit-for-bit)")
     p.add_argument("--stop-after", type=int, help="stop (with a checkpoint) after this many steps in this run")
+    p.add_argument("--arch", choices=["dflash", "dflash2"], help="drafter kind (default: dflash, or the --init-from "
+                   "drafter's; dflash2 with a DFlash 1 --init-from starts exactly equal to it)")
+    p.add_argument("--selector-rank", type=int, help="DFlash 2 candidate-selector rank (default 256)")
+    p.add_argument("--selector-top-k", type=int, help="DFlash 2 candidates per position (default 16)")
+    p.add_argument("--selector-weight", type=float, default=d.selector_weight,
+                   help="DFlash 2: weight of the selector loss added to the block loss")
     p.add_argument("--target-init", action="store_true",
                    help="warm-start a new drafter's layers from the target's last layers and fc from its last feature "
                         "layer (needs equal layer shapes); the final norm always starts as the target's")

@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+# aux(hidden rows, their logits, row slice) -> (loss numerator, bool mask [m, B-1])
+Aux = Callable[[torch.Tensor, torch.Tensor, slice], tuple[torch.Tensor, torch.Tensor]]
 
 
 def default_gamma(block_size: int) -> float:
@@ -50,34 +52,41 @@ def tau_hat(correct: torch.Tensor) -> float:
 
 def block_loss(hidden: torch.Tensor, labels: torch.Tensor, w: torch.Tensor,
                logits_fn: Callable[[torch.Tensor], torch.Tensor], target_logits: torch.Tensor | None = None,
-               kl_weight: float = 0.0, chunk_rows: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
-    """Loss numerator Σ w_k (CE_k + kl_weight · KL_k) and correctness [M, B-1], in row chunks.
+               kl_weight: float = 0.0, chunk_rows: int = 4096, aux: Aux | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Loss numerator Σ w_k (CE_k + kl_weight · KL_k) [+ aux], correctness [M, B-1] and aux's mask, in row chunks.
 
     hidden: [M, B-1, h] drafter states of block positions 1..B-1; labels [M, B-1]; target_logits [M, B-1, V] or None.
+    aux(hidden, logits, rows) → (extra loss numerator, bool [m, B-1]) reuses each chunk's logits (DFlash 2 selector).
     Each chunk's logits are recomputed in backward (activation checkpointing) so [M, B-1, V] never lives at once.
     Divide the numerator by (number of blocks · Σ w) for the mean loss.
     """
     rows = max(1, chunk_rows // max(1, labels.shape[1]))
 
-    def chunk(h: torch.Tensor, y: torch.Tensor, t: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def chunk(h: torch.Tensor, y: torch.Tensor, t: torch.Tensor | None, i: int):
         logits = logits_fn(h).float()  # one fp32 copy serves CE, KL and argmax (bf16 argmax is slow on CPU)
         num = weighted_ce(logits, y, w)
         if t is not None and kl_weight:
             num = num + kl_weight * weighted_kl(logits, t, w)
-        return num, logits.detach().argmax(-1) == y
+        extra = None
+        if aux is not None:
+            a_num, extra = aux(h, logits, slice(i, i + len(y)))
+            num = num + a_num
+        return num, logits.detach().argmax(-1) == y, extra
 
-    total, correct = hidden.new_zeros((), dtype=torch.float32), []
+    total, correct, extras = hidden.new_zeros((), dtype=torch.float32), [], []
     for i in range(0, len(labels), rows):
-        args = (hidden[i:i + rows], labels[i:i + rows], None if target_logits is None else target_logits[i:i + rows])
+        args = (hidden[i:i + rows], labels[i:i + rows], None if target_logits is None else target_logits[i:i + rows], i)
         if torch.is_grad_enabled() and hidden.requires_grad and len(labels) > rows:
-            num, cor = checkpoint(chunk, *args, use_reentrant=False)
+            num, cor, extra = checkpoint(chunk, *args, use_reentrant=False)
         else:
-            num, cor = chunk(*args)
+            num, cor, extra = chunk(*args)
         total = total + num
         correct.append(cor)
+        extras.append(extra)
     if not correct:
-        return total, labels.new_zeros(labels.shape, dtype=torch.bool)
-    return total, torch.cat(correct)
+        return total, labels.new_zeros(labels.shape, dtype=torch.bool), None
+    return total, torch.cat(correct), (torch.cat(extras) if aux is not None else None)
 
 
 def loss_vocabulary(frequent: torch.Tensor, labels: torch.Tensor, n_random: int, vocab: int,

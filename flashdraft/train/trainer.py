@@ -31,6 +31,7 @@ from .. import target as T
 from ..atomic import atomic_dir, write_text
 from ..checkpoint import build_drafter, check_compatible, load_drafter, parse_dtype, save_drafter
 from ..config import drafter_config_for
+from ..dflash2 import selector_loss, upgrade_to_dflash2
 from ..errors import FlashdraftError
 from .data import Sequence, load_sequences, read_meta, right_pad
 from .loss import (block_loss, loss_vocabulary, mean_loss, position_accuracy, position_weights, remap_labels,
@@ -40,7 +41,7 @@ from .mask import block_positions, eligible_anchors, pad_anchors, sample_anchors
 # settings that must not change when resuming (they change the data order, the model or the schedule)
 RESUME_KEYS = ("data", "num_layers", "block_size", "mask_token_id", "steps", "batch_size", "lr", "min_lr_ratio",
                "warmup_steps", "weight_decay", "anchors", "gamma", "kl_weight", "seed", "offline", "eval_sequences",
-               "loss_vocab", "target_init")
+               "loss_vocab", "target_init", "arch", "selector_rank", "selector_top_k", "selector_weight")
 
 
 @dataclass
@@ -78,6 +79,10 @@ class TrainConfig:
     stop_after: int | None = None  # stop after this many steps in this run (checkpointing first)
     device: str | None = None
     loss_chunk: int = 4096  # logits rows per checkpointed chunk of the loss
+    arch: str | None = None  # "dflash" | "dflash2"; None: dflash, or the --init-from drafter's
+    selector_rank: int | None = None  # DFlash 2 (None: the config default, or the --init-from drafter's)
+    selector_top_k: int | None = None
+    selector_weight: float = 1.0  # DFlash 2: weight of the candidate-selector loss
     target_init: bool = False  # warm-start a fresh drafter's layers from the target's last layers
     loss_vocab: int = 0  # >0: sampled softmax over the N most frequent training tokens (+ labels, + N/4 random ids)
 
@@ -166,7 +171,7 @@ def drafter_hidden(drafter: nn.Module, raw: nn.Module, embed: nn.Module, feats: 
     block_ids[:, ::B] = ids.gather(1, anchors)
     emb = embed(block_ids).to(torch.float32)
     masks = training_masks(cfg.layer_types, anchors, n, B, cfg.sliding_window)
-    hidden = drafter(emb, pos, ctx, masks)
+    hidden = drafter(emb, pos, ctx, masks, B)
     return hidden.view(b, anchors.shape[1], B, -1)
 
 
@@ -213,12 +218,21 @@ def micro_loss(drafter: nn.Module, raw: nn.Module, target, seqs: list[Sequence],
             tpos = (block_positions(a, B).view(*a.shape, B)[..., :-1])[valid]  # [M, B-1]
             bidx = torch.arange(len(seqs), device=device)[:, None].expand_as(a)[valid]
             t = tlogits[bidx[:, None], tpos]
+        y = labels
         if vocab_ids is not None:
             vocab_ids = vocab_ids.to(device)
-            labels = remap_labels(labels, vocab_ids)
-        num, correct = block_loss(h, labels, w.to(device), lambda x: raw.logits(x, lm_head, vocab_ids), t,
-                                  cfg.kl_weight, cfg.loss_chunk)
-    return num, correct
+            y = remap_labels(labels, vocab_ids)
+        aux = None
+        selector = getattr(raw, "candidate_selector", None)
+        if selector is not None:  # the true predecessor of x[a+k] is x[a+k-1] (the anchor for k = 1)
+            prev = torch.cat([ids.gather(1, a)[valid][:, None], labels[:, :-1]], 1)
+            ws = w.to(device) * cfg.selector_weight
+
+            def aux(hh, logits, rows):
+                return selector_loss(selector, hh, logits, labels[rows], prev[rows], ws, vocab_ids)
+        num, correct, recall = block_loss(h, y, w.to(device), lambda x: raw.logits(x, lm_head, vocab_ids), t,
+                                          cfg.kl_weight, cfg.loss_chunk, aux)
+    return num, correct, recall
 
 
 # ---------------------------------------------------------------- setup
@@ -229,11 +243,20 @@ def dist_info() -> tuple[int, int, int]:
 
 
 def build_or_load_drafter(cfg: TrainConfig, target) -> nn.Module:
-    """A fresh drafter shaped for the target, or --init-from DIR; fp32 master weights."""
+    """A fresh drafter shaped for the target, or --init-from DIR (a DFlash 1 drafter upgrades exactly to --arch
+    dflash2: identity convolutions and a zero pair term); fp32 master weights."""
     model, tok = target.model, target.tokenizer
     vocab = T.vocab_size(model)
+    if cfg.arch not in (None, "dflash", "dflash2"):
+        raise FlashdraftError(f"--arch must be dflash or dflash2, got {cfg.arch!r}")
+    d2 = {k: v for k, v in (("selector_rank", cfg.selector_rank), ("selector_top_k", cfg.selector_top_k))
+          if v is not None}
     if cfg.init_from:
         drafter = load_drafter(cfg.init_from, dtype=torch.float32)
+        if cfg.arch == "dflash" and drafter.config.arch == "dflash2":
+            raise FlashdraftError(f"--init-from {cfg.init_from} is a DFlash 2 drafter; use --arch dflash2 (or omit --arch)")
+        if cfg.arch == "dflash2" and drafter.config.arch == "dflash":
+            drafter = upgrade_to_dflash2(drafter, **d2)
         dc = drafter.config
         if cfg.block_size is not None:
             dc.block_size = cfg.block_size
@@ -244,6 +267,9 @@ def build_or_load_drafter(cfg: TrainConfig, target) -> nn.Module:
         mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else pick_mask_token_id(tok, vocab)
         dc = drafter_config_for(model.config, mask_id, num_layers=cfg.num_layers, block_size=cfg.block_size or 16,
                                 torch_dtype="float32")
+        dc.arch = cfg.arch or "dflash"
+        for k, v in d2.items():
+            setattr(dc, k, v)
         torch.manual_seed(cfg.seed)
         drafter = build_drafter(dc).float()
         init_from_target(drafter, model, cfg.target_init)
@@ -382,19 +408,24 @@ def evaluate(raw: nn.Module, target, seqs: list[Sequence], cfg: TrainConfig, w: 
         return {}
     B = raw.config.block_size
     mb = cfg.micro_batch or max(1, cfg.batch_size)
-    num, correct, n_blocks = 0.0, [], 0
+    num, correct, recall, n_blocks = 0.0, [], [], 0
     for i in range(0, len(seqs), mb):
         part = seqs[i:i + mb]
         anchors = [sample_anchors(s.loss_mask, B, cfg.anchors, anchor_generator(cfg.seed, -1, i + j))
                    for j, s in enumerate(part)]
-        n, c = micro_loss(raw, raw, target, part, anchors, cfg, w, device, dtype)
+        n, c, r = micro_loss(raw, raw, target, part, anchors, cfg, w, device, dtype)
         num += float(n)
         correct.append(c.cpu())
+        if r is not None:
+            recall.append(r.cpu())
         n_blocks += sum(len(a) for a in anchors)
     c = torch.cat(correct)
     acc = position_accuracy(c)
-    return {"loss": float(mean_loss(torch.tensor(num), n_blocks, w)), "acc": float(c.float().mean()),
-            "acc_pos": [round(float(x), 4) for x in acc], "tau": tau_hat(c), "blocks": n_blocks}
+    out = {"loss": float(mean_loss(torch.tensor(num), n_blocks, w)), "acc": float(c.float().mean()),
+           "acc_pos": [round(float(x), 4) for x in acc], "tau": tau_hat(c), "blocks": n_blocks}
+    if recall:  # DFlash 2: how often the true token is among the selector's top-k candidates
+        out["topk_recall_pos"] = [round(float(x), 4) for x in position_accuracy(torch.cat(recall))]
+    return out
 
 
 # ---------------------------------------------------------------- the loop
@@ -506,8 +537,8 @@ def train(cfg: TrainConfig, target=None, log=print) -> dict:
             last = j + mb >= len(seqs)
             sync = contextlib.nullcontext() if (last or world == 1) else ddp.no_sync()
             with sync:
-                num, correct = micro_loss(ddp, drafter, model, seqs[j:j + mb], anchors[j:j + mb], cfg, w, device,
-                                          dtype, vocab_ids)
+                num, correct, _ = micro_loss(ddp, drafter, model, seqs[j:j + mb], anchors[j:j + mb], cfg, w,
+                                             device, dtype, vocab_ids)
                 (num * (world / denom)).backward()
             step_num += float(num.detach())
             step_correct.append(correct.detach().cpu())
@@ -542,6 +573,9 @@ def train(cfg: TrainConfig, target=None, log=print) -> dict:
             line = (f"step {done}/{cfg.steps} loss {row['loss']:.3f} acc {row['acc']:.3f} τ̂ {row['tau']:.2f}"
                     + (f" | eval loss {row['eval_loss']:.3f} acc {row['eval_acc']:.3f} τ̂ {row['eval_tau']:.2f} "
                        f"acc@k% {' '.join(f'{100 * a:.0f}' for a in row['eval_acc_pos'])}" if "eval_loss" in row else "")
+                    + (f" top-{dc.selector_top_k} recall% "
+                       f"{' '.join(f'{100 * a:.0f}' for a in row['eval_topk_recall_pos'])}"
+                       if "eval_topk_recall_pos" in row else "")
                     + f" | lr {row['lr']:.2e} | {row['tok_s']:.0f} tok/s {row['blocks_s']:.1f} blocks/s"
                     + f" | eta {eta / 60:.1f} min")
             say(line, file=sys.stderr)
