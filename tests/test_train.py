@@ -352,7 +352,7 @@ def test_selector_loss_scores_true_predecessor_and_skips_misses():
         for m, t in found.nonzero().tolist():
             s = sel.pair_scores(h[m, t], prev[m, t], top[m, t], logits[m, t, top[m, t]])
             ref += float(w[t] * torch.nn.functional.cross_entropy(s[None], torch.tensor([1])))
-    assert abs(float(num) - ref) < 1e-4
+    assert abs(float(num.detach()) - ref) < 1e-4
     num.backward()
     assert sel.hidden_projection.weight.grad.abs().sum() > 0
 
