@@ -1,4 +1,8 @@
-"""`flashdraft bench`: ar / hf / hf-lookup / dflash on the same prompts, target, dtype and machine."""
+"""`flashdraft bench`: ar / hf / hf-lookup / dflash on the same prompts, target, dtype and machine.
+
+Drafter methods are swept over --drafter × --block-size × --loop-stages × --loop-gate (DLoop, dloop.py).
+A method is one small function (target, prompt ids, Settings) → Sample, registered in METHODS.
+"""
 
 from __future__ import annotations
 
@@ -39,6 +43,8 @@ class Settings:
     drafter: object | None = None  # a loaded drafter module
     block_size: int | None = None
     lookup_tokens: int = 10
+    loop_stages: int = 1  # DLoop stages per cycle (1 = plain DFlash)
+    loop_gate: float = -0.75
 
 
 @dataclass
@@ -53,6 +59,7 @@ class Sample:
     draft_s: float | None = None  # None: the method has no per-cycle split
     verify_s: float | None = None
     other_s: float | None = None
+    stages: list[int] = field(default_factory=list)  # drafting stages per cycle (drafter methods only)
 
 
 Method = Callable[[object, list[int], Settings], Sample]
@@ -65,9 +72,11 @@ def _flashdraft(target, ids: list[int], s: Settings, drafter, block_size: int) -
 
     r = generate_ids(target.model, drafter, ids, block_size=block_size, max_new_tokens=s.max_new_tokens,
                      temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
-                     stop_token_ids=s.stop_token_ids)
+                     stop_token_ids=s.stop_token_ids, loop_stages=s.loop_stages, loop_gate=s.loop_gate)
     t = r.timing
-    return Sample(r.output_ids, t.prefill_s, t.total_s, 1, r.acceptance_lengths, t.draft_s, t.verify_s, t.other_s)
+    stages = [c.stages for c in r.cycles] if drafter is not None else []
+    return Sample(r.output_ids, t.prefill_s, t.total_s, 1, r.acceptance_lengths, t.draft_s, t.verify_s, t.other_s,
+                  stages)
 
 
 def run_ar(target, ids: list[int], s: Settings) -> Sample:
@@ -76,7 +85,7 @@ def run_ar(target, ids: list[int], s: Settings) -> Sample:
 
 
 def run_dflash(target, ids: list[int], s: Settings) -> Sample:
-    """DFlash speculative decoding with s.drafter at s.block_size."""
+    """DFlash speculative decoding with s.drafter (DFlash 1 or 2) at s.block_size, with DLoop when s.loop_stages > 1."""
     return _flashdraft(target, ids, s, s.drafter, s.block_size or s.drafter.config.block_size)
 
 
@@ -136,7 +145,7 @@ def run_hf_lookup(target, ids: list[int], s: Settings) -> Sample:
 
 
 METHODS: dict[str, Method] = {"ar": run_ar, "hf": run_hf, "hf-lookup": run_hf_lookup, "dflash": run_dflash}
-DRAFTER_METHODS = {"dflash"}  # methods swept over --drafter × --block-size
+DRAFTER_METHODS = {"dflash"}  # methods swept over --drafter × --block-size × --loop-stages × --loop-gate
 
 
 # ---------------------------------------------------------------- datasets
@@ -275,12 +284,25 @@ class Variant:
     desc: dict
 
 
+def loop_settings(stages: list[int], gates: list[float]) -> list[tuple[int, float]]:
+    """(stages, gate) pairs to sweep: stages 1 is plain DFlash once (the gate never matters there)."""
+    pairs = [(1, gates[0])] if 1 in stages else []
+    return pairs + [(s, g) for s in dict.fromkeys(stages) if s > 1 for g in dict.fromkeys(gates)]
+
+
+def variant_label(m: str, kind: str, parts: list[str]) -> str:
+    """`dflash[name,b8,s2,g-0.75]`; the dflash method is labelled by its drafter kind (dflash / dflash2)."""
+    head = kind if m == "dflash" else m
+    return f"{head}[{','.join(parts)}]" if parts else head
+
+
 def build_variants(target, methods: list[str], drafters: list[str | None], block_sizes: list[int],
-                   base: Settings) -> list[Variant]:
-    """One Variant per method, and per (drafter, block size) for drafter methods; labels are stable names."""
+                   base: Settings, loop_stages: list[int] = (1,), loop_gates: list[float] = (-0.75,)) -> list[Variant]:
+    """One Variant per method, and per (drafter, block size, loop stages, gate) for drafter methods; stable labels."""
     from .models import load_drafter_for
 
     out = []
+    loops = loop_settings(list(loop_stages), list(loop_gates))
     for m in methods:
         if m not in DRAFTER_METHODS:
             out.append(Variant(m, m, base, {"method": m}))
@@ -290,14 +312,20 @@ def build_variants(target, methods: list[str], drafters: list[str | None], block
             if drafter is None:
                 raise FlashdraftError(f"method {m} needs a drafter and none is registered for {target.name}: "
                                       "pass --drafter DIR (or train one with `flashdraft train`)")
+            kind = drafter.config.arch
             for b in block_sizes or [drafter.config.block_size]:
                 if b < 2:
                     raise FlashdraftError(f"--block-size {b}: {m} needs a block size >= 2 (block size 1 is `ar`)")
-                single = len(drafters) == 1 and len(block_sizes) <= 1
-                name = Path(d).name if d else "registered"
-                label = m if single else f"{m}[{name},b{b}]"
-                desc = {"method": m, "drafter": str(Path(d).resolve()) if d else name, "block_size": b}
-                out.append(Variant(label, m, replace(base, drafter=drafter, block_size=b), desc))
+                for stages, gate in loops:
+                    name = Path(d).name if d else "registered"
+                    parts = [] if len(drafters) == 1 and len(block_sizes) <= 1 else [name, f"b{b}"]
+                    desc = {"method": m, "drafter": str(Path(d).resolve()) if d else name, "kind": kind,
+                            "block_size": b}
+                    if stages > 1:
+                        parts += [f"s{stages}", f"g{gate:g}"]
+                        desc |= {"loop_stages": stages, "loop_gate": gate}
+                    settings = replace(base, drafter=drafter, block_size=b, loop_stages=stages, loop_gate=gate)
+                    out.append(Variant(variant_label(m, kind, parts), m, settings, desc))
     labels = [v.label for v in out]
     if len(set(labels)) != len(labels):
         raise FlashdraftError(f"two method variants share a label ({labels}); give drafters distinct folder names")
@@ -309,7 +337,7 @@ def turn_record(target, s: Sample, prompt_len: int) -> dict:
     return {"prompt_len": prompt_len, "output_ids": s.output_ids, "text": target.decode(s.output_ids),
             "new_tokens": len(s.output_ids), "first_tokens": s.first_tokens, "ttft_s": s.ttft_s,
             "total_s": s.total_s, "decode_s": max(0.0, s.total_s - s.ttft_s),
-            "acceptance_lengths": s.acceptance_lengths,
+            "acceptance_lengths": s.acceptance_lengths, "stages": s.stages,
             "cycle_timing": s.draft_s is not None, "draft_s": s.draft_s or 0.0, "verify_s": s.verify_s or 0.0,
             "other_s": s.other_s or 0.0}
 
@@ -394,6 +422,12 @@ def add_bench(sub) -> None:
     p.add_argument("--target", help="registered name, local HF model dir or hub id (default: smollm2-135m-instruct)")
     p.add_argument("--drafter", action="append", help="drafter directory for dflash (repeatable; default: registered)")
     p.add_argument("--block-size", type=int, action="append", help="dflash block size (repeatable; default: drafter's)")
+    p.add_argument("--loop-stages", default="1",
+                   help="DLoop drafting stages per cycle to sweep for dflash, comma-separated "
+                        "(default 1 = plain DFlash)")
+    p.add_argument("--loop-gate", default="-0.75",
+                   help="DLoop gates (summed draft log-probability needed for another stage) to sweep, "
+                        "comma-separated, e.g. -0.5,-0.75,-1 (default -0.75; used when loop stages > 1)")
     p.add_argument("--max-samples", type=int, help="prompts per dataset (a fixed-seed random subset)")
     p.add_argument("--subsample-seed", type=int, default=0, help="seed for --max-samples sub-sampling (default 0)")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -417,6 +451,28 @@ def parse_methods(text: str) -> list[str]:
     if bad or not methods:
         raise FlashdraftError(f"--methods: unknown {bad or text!r}; choose from {', '.join(METHODS)}")
     return ["ar"] + [m for m in dict.fromkeys(methods) if m != "ar"]
+
+
+def parse_list(text: str, what: str, kind: type) -> list:
+    """'1,2,3' → [1, 2, 3]; a one-line error naming the option otherwise."""
+    try:
+        values = [kind(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise FlashdraftError(f"{what} must be comma-separated {kind.__name__} values, got {text!r}") from None
+    if not values:
+        raise FlashdraftError(f"{what} is empty; give comma-separated values such as 1,2,3")
+    return values
+
+
+def parse_loops(args) -> tuple[list[int], list[float]]:
+    """--loop-stages and --loop-gate as checked lists."""
+    from .dloop import check_loop
+
+    stages, gates = parse_list(args.loop_stages, "--loop-stages", int), parse_list(args.loop_gate, "--loop-gate", float)
+    for s in stages:
+        for g in gates:
+            check_loop(s, g)
+    return stages, gates
 
 
 def check_bench_args(args) -> None:
@@ -446,6 +502,7 @@ def cmd_bench(args) -> int:
 
     check_bench_args(args)
     methods = parse_methods(args.methods)
+    loop_stages, loop_gates = parse_loops(args)
     labels = [parse_dataset(d) for d in args.dataset]
     if len({lab for lab, _ in labels}) != len(labels):
         raise FlashdraftError(f"two datasets share the label {[lab for lab, _ in labels]}; use NAME=PATH to name them")
@@ -456,7 +513,8 @@ def cmd_bench(args) -> int:
     target = load_target(args.target, dtype=args.dtype, device=device)
     base = Settings(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed,
                     target.stop_token_ids(), lookup_tokens=args.lookup_tokens)
-    variants = build_variants(target, methods, args.drafter or [None], args.block_size or [], base)
+    variants = build_variants(target, methods, args.drafter or [None], args.block_size or [], base, loop_stages,
+                              loop_gates)
     config = {"target": target.name, "dtype": args.dtype, "device": device, "chat": not args.no_chat,
               "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
               "top_k": args.top_k, "seed": args.seed, "lookup_tokens": args.lookup_tokens}
@@ -473,7 +531,8 @@ def cmd_bench(args) -> int:
     records = [r for r in load_records(out / "samples.jsonl")
                if r["dataset"] in datasets and r["method"] in {v.label for v in variants}
                and r["id"] in {p.id for p in datasets[r["dataset"]]}]
-    summary = report.summarize(records, [v.label for v in variants], config, datasets, stopped)
+    summary = report.summarize(records, [v.label for v in variants], config, datasets, stopped,
+                               {v.label: v.desc for v in variants})
     report.write_all(out, summary)
     report.print_summary(summary, out)
     if interrupted:

@@ -56,6 +56,12 @@ def add_generate(sub) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=DEFAULT_DTYPE)
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--stop-token-ids", help="comma-separated stop ids (default: the target's EOS ids)")
+    p.add_argument("--loop-stages", type=int, default=1,
+                   help="DLoop: up to S drafting stages per cycle, each continuing after the previous stage's "
+                        "unverified drafts; the target verifies them all in one pass (default 1 = plain DFlash)")
+    p.add_argument("--loop-gate", type=float, default=-0.75,
+                   help="DLoop: draft another stage only while the last stage's summed draft log-probability "
+                        "exceeds this (default -0.75; lower = more stages)")
     p.add_argument("--json", action="store_true", help="print the machine-readable record instead of streaming text")
     p.add_argument("--compare-ar", action="store_true", help="also decode plainly and report speedup and identity")
     p.set_defaults(func=cmd_generate)
@@ -65,12 +71,14 @@ def cmd_generate(args) -> int:
     import torch
 
     from .decode import check_args, generate_ids
+    from .dloop import check_loop
     from .models import load_drafter_for, load_target
     from .sampling import SamplingParams
     from .target import check_prompt
 
     params = SamplingParams(args.temperature, args.top_k, args.top_p)
     check_args(args.block_size if args.block_size is not None else 1, args.max_new_tokens)
+    check_loop(args.loop_stages, args.loop_gate)
     if args.prompt is None and args.prompt_ids is None:
         raise FlashdraftError("give a prompt: flashdraft generate \"text\" or --prompt-ids 1,2,3")
     if args.prompt is not None and args.prompt_ids is not None:
@@ -96,18 +104,21 @@ def cmd_generate(args) -> int:
     stops = target.stop_token_ids() if stops is None else stops
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=params.temperature, top_k=params.top_k,
               top_p=params.top_p, seed=args.seed, stop_token_ids=stops)
+    loop = dict(loop_stages=args.loop_stages, loop_gate=args.loop_gate)
     if args.compare_ar:  # warm both paths so neither pays first-call costs in the comparison
-        generate_ids(target.model, drafter, ids, block_size=block_size, **{**kw, "max_new_tokens": 4})
+        generate_ids(target.model, drafter, ids, block_size=block_size, **{**kw, "max_new_tokens": 4}, **loop)
         generate_ids(target.model, None, ids, block_size=1, **{**kw, "max_new_tokens": 4})
     streamer = None if args.json else Streamer(target)
-    result = generate_ids(target.model, drafter, ids, block_size=block_size, on_tokens=streamer, **kw)
+    result = generate_ids(target.model, drafter, ids, block_size=block_size, on_tokens=streamer, **kw, **loop)
     result.text = target.decode(result.output_ids)
     if streamer:
         streamer.close()
     record = result.to_record()
     t = result.timing
+    loop_note = (f", {result.mean_stages:.2f} of up to {args.loop_stages} drafting stages per cycle at gate "
+                 f"{args.loop_gate:g}" if args.loop_stages > 1 and result.config["block_size"] > 1 else "")
     summary = (f"flashdraft: {result.num_new_tokens} new tokens, τ {result.tau:.2f} over {len(result.cycles)} cycles, "
-               f"{t.tokens_per_s:.1f} tok/s (block {result.config['block_size']}, {args.dtype})")
+               f"{t.tokens_per_s:.1f} tok/s (block {result.config['block_size']}{loop_note}, {args.dtype})")
     if args.compare_ar:
         ar = generate_ids(target.model, None, ids, block_size=1, **kw)
         same = ar.output_ids == result.output_ids
@@ -132,9 +143,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+NEGATIVE_VALUED = ("--loop-gate",)  # options whose values may start with '-' ("-inf", "-0.5,-1")
+
+
+def attach_negative_values(argv: list[str]) -> list[str]:
+    """`--loop-gate -0.5,-1` → `--loop-gate=-0.5,-1`: argparse takes such a value for an unknown option otherwise."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in NEGATIVE_VALUED and i + 1 < len(argv) and argv[i + 1].startswith("-"):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(attach_negative_values(sys.argv[1:] if argv is None else list(argv)))
     try:
         return args.func(args)
     except FlashdraftError as e:

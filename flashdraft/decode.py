@@ -1,4 +1,8 @@
-"""The DFlash generation cycle (DESIGN.md §1): prefill, draft, verify, accept, commit / roll back."""
+"""The DFlash generation cycle (DESIGN.md §1): prefill, draft, verify, accept, commit / roll back.
+
+Drafting is a proposer: plain DFlash drafts one block per cycle (`drafter_proposer`); DLoop (dloop.py) may run the
+drafter several stages per cycle. Either way the target verifies whatever was proposed in one forward pass.
+"""
 
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ class Cycle:
     block: list[int]  # exactly the ids the target verified
     accepted: int  # drafts kept
     emitted: list[int]  # tokens this cycle added to the output (after stop / length truncation)
+    stages: int = 0  # drafting stages of b-1 drafts each behind this block (1: plain DFlash; 0: block size 1)
 
 
 @dataclass
@@ -78,38 +83,63 @@ class GenerationResult:
         a = self.acceptance_lengths
         return sum(a) / len(a) if a else 0.0
 
+    @property
+    def mean_stages(self) -> float:
+        """Mean drafting stages per cycle (1.0 for plain DFlash; above 1 when DLoop drafted further stages)."""
+        return sum(c.stages for c in self.cycles) / len(self.cycles) if self.cycles else 0.0
+
     def to_record(self) -> dict:
         """The machine-readable record of DESIGN.md §7."""
         return {
             "output_ids": self.output_ids, "text": self.text, "num_prompt_tokens": self.num_prompt_tokens,
             "num_new_tokens": self.num_new_tokens, "acceptance_lengths": self.acceptance_lengths,
-            "cycles": [{"block": c.block, "accepted": c.accepted} for c in self.cycles],
+            "cycles": [{"block": c.block, "accepted": c.accepted, "stages": c.stages} for c in self.cycles],
             "timing": asdict(self.timing), "config": self.config,
         }
 
 
-# propose(state, start, b) -> (drafts [b-1], q [b-1, V] or None at temperature 0)
+# propose(state, start, b) -> (drafts [k], q [k, V] or None at temperature 0); k is usually b-1 (one stage), and
+# DLoop proposes whole multiples of b-1 (one per stage). The decode loop verifies any k that fits the context.
 Proposer = Callable[[DecodeState, int, int], tuple[torch.Tensor, torch.Tensor | None]]
+
+# stage(cache, new_features [1, n, F], inputs, start, n) -> (drafts [n], q [n, V] or None, raw drafter logits [n, V])
+StageDrafter = Callable[[ContextCache, torch.Tensor, list[int], int, int],
+                        tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]
+
+
+def stage_drafter(model: PreTrainedModel, drafter: torch.nn.Module, params: SamplingParams,
+                  gen: torch.Generator | None) -> StageDrafter:
+    """One drafter pass over [inputs..., M x n] at positions start..: n drafts from the last n block positions."""
+    embed, head, mask_id = T.embed(model), T.lm_head(model), drafter.config.mask_token_id
+    selector = getattr(drafter, "candidate_selector", None)
+    dtype = next(drafter.parameters()).dtype
+
+    def draft(cache: ContextCache, new_features: torch.Tensor, inputs: list[int], start: int, n: int):
+        block = torch.tensor(inputs + [mask_id] * n, device=model.device)
+        hidden = draft_hidden(drafter, cache, new_features, embed(block)[None].to(dtype), start)
+        # the head runs on the last n+1 rows (all B rows for plain DFlash): CPU GEMMs are several times slower for
+        # some row counts (15 vs 16), see draft_block; the first of those rows proposes nothing
+        logits = drafter.logits(hidden[-(n + 1):], head)[1:]
+        if selector is not None:  # DFlash 2: walk the candidate paths from the last input; q is the selector's softmax
+            drafts, q = selector.walk(hidden[-n:], logits, inputs[-1], params.temperature, gen)
+        elif params.greedy:
+            drafts, q = logits.argmax(-1), None
+        else:
+            q = process(logits, params)
+            drafts = sample(q, gen)
+        return drafts, q, logits
+
+    return draft
 
 
 def drafter_proposer(model: PreTrainedModel, drafter: torch.nn.Module, params: SamplingParams,
                      gen: torch.Generator | None) -> Proposer:
     """Draft b-1 tokens in one drafter pass: argmax at T=0, else sampled from the processed q (DFlash 2: path walk)."""
-    embed, head, mask_id = T.embed(model), T.lm_head(model), drafter.config.mask_token_id
-    selector = getattr(drafter, "candidate_selector", None)
-    dtype = next(drafter.parameters()).dtype
+    draft = stage_drafter(model, drafter, params, gen)
 
     def propose(state: DecodeState, start: int, b: int):
-        block = torch.tensor([state.tokens[-1]] + [mask_id] * (b - 1), device=model.device)
-        block_emb = embed(block)[None].to(dtype)
-        hidden = draft_hidden(drafter, state.draft_cache, state.take_pending()[None], block_emb, start)
-        logits = drafter.logits(hidden, head)[1:]  # all B rows through the head: see draft_block
-        if selector is not None:  # DFlash 2: walk the candidate paths; q is the selector's softmax
-            return selector.walk(hidden[1:], logits, state.tokens[-1], params.temperature, gen)
-        if params.greedy:
-            return logits.argmax(-1), None
-        q = process(logits, params)
-        return sample(q, gen), q
+        drafts, q, _ = draft(state.draft_cache, state.take_pending()[None], [state.tokens[-1]], start, b - 1)
+        return drafts, q
 
     return propose
 
@@ -182,6 +212,8 @@ def decode(model: PreTrainedModel, prompt_ids: list[int], *, block_size: int, ma
         else:
             drafts, q = torch.zeros(0, dtype=torch.long, device=dev), None
         t2 = _now(dev)
+        if start + 1 + len(drafts) > limit:
+            raise RuntimeError(f"the proposer drafted {len(drafts)} tokens at position {start}, past the context {limit}")
         block = torch.cat([torch.tensor([state.tokens[-1]], device=dev), drafts])
         out = T.forward(model, block, start, state.target_cache, layer_ids)
         t3 = _now(dev)
@@ -201,7 +233,8 @@ def decode(model: PreTrainedModel, prompt_ids: list[int], *, block_size: int, ma
         timing.verify_s += t3 - t2
         if state_hook:
             state_hook(state)
-        yield Cycle(block.tolist(), n_acc, new)
+        stages = -(-len(drafts) // (b - 1)) if b > 1 else 0  # DLoop stages each add b-1 drafts
+        yield Cycle(block.tolist(), n_acc, new, stages)
 
 
 def generate_ids(model: PreTrainedModel, drafter: torch.nn.Module | None, prompt_ids: list[int], *,
@@ -209,9 +242,18 @@ def generate_ids(model: PreTrainedModel, drafter: torch.nn.Module | None, prompt
                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_token_ids: list[int] | tuple = (),
                  on_tokens: Callable[[list[int]], None] | None = None,
                  state_hook: Callable[[DecodeState], None] | None = None,
-                 propose: Proposer | None = None) -> GenerationResult:
-    """Speculative decoding of prompt_ids with drafter (None and block size 1: plain autoregressive)."""
+                 propose: Proposer | None = None, loop_stages: int = 1, loop_gate: float = -0.75) -> GenerationResult:
+    """Speculative decoding of prompt_ids with drafter (None and block size 1: plain autoregressive).
+
+    loop_stages > 1 turns on DLoop (dloop.py): after each drafting stage whose summed draft log-probability exceeds
+    loop_gate, the drafter drafts another b-1 tokens after the unverified ones, up to loop_stages stages per cycle.
+    """
+    from .dloop import check_loop, looped_proposer  # dloop builds on this module
+
     params = SamplingParams(temperature, top_k, top_p)
+    check_loop(loop_stages, loop_gate)
+    if loop_stages > 1 and propose is not None:
+        raise FlashdraftError("loop_stages applies to the drafter's own proposer; drop it or loop inside `propose`")
     if block_size is None:
         block_size = drafter.config.block_size if drafter is not None else 1
     layer_ids: list[int] = []
@@ -219,7 +261,8 @@ def generate_ids(model: PreTrainedModel, drafter: torch.nn.Module | None, prompt
         layer_ids = list(drafter.config.target_layer_ids)
         if propose is None:
             gen = torch.Generator(device=model.device).manual_seed(seed + 1)
-            propose = drafter_proposer(model, drafter, params, gen)
+            propose = (drafter_proposer(model, drafter, params, gen) if loop_stages == 1
+                       else looped_proposer(model, drafter, params, gen, loop_stages, loop_gate))
     timing = Timing()
     t0 = time.perf_counter()
     cycles, output = [], []
@@ -234,5 +277,6 @@ def generate_ids(model: PreTrainedModel, drafter: torch.nn.Module | None, prompt
     timing.total_s = time.perf_counter() - t0
     timing.other_s = max(0.0, timing.total_s - timing.prefill_s - timing.draft_s - timing.verify_s)
     timing.tokens_per_s = len(output) / timing.total_s if timing.total_s > 0 else 0.0
-    config = {"block_size": block_size, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed}
+    config = {"block_size": block_size, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
+              "loop_stages": loop_stages, "loop_gate": loop_gate}
     return GenerationResult(output, len(prompt_ids), cycles, timing, config)

@@ -21,10 +21,11 @@ def _mean(xs: list[float]) -> float | None:
 
 
 def stats(turns: list[dict]) -> dict:
-    """Pooled numbers over turns: decode throughput, τ, acceptance histogram, per-cycle times, TTFT."""
+    """Pooled numbers over turns: decode throughput, τ, acceptance and stage histograms, per-cycle times, TTFT."""
     dec_tok = sum(t["new_tokens"] - t["first_tokens"] for t in turns)
     dec_s = sum(t["decode_s"] for t in turns)
     acc = [a for t in turns for a in t["acceptance_lengths"]]
+    stages = [k for t in turns for k in t.get("stages", [])]  # drafter methods only (older records lack it)
     timed = [t for t in turns if t["cycle_timing"]]
     cycles = sum(len(t["acceptance_lengths"]) for t in timed)
 
@@ -36,6 +37,7 @@ def stats(turns: list[dict]) -> dict:
             "decode_s": dec_s, "decode_tok_s": dec_tok / dec_s if dec_s > 0 else None,
             "ttft_ms": None if ttft is None else 1000 * ttft,
             "tau": _mean(acc), "hist": {str(k): v for k, v in sorted(Counter(acc).items())}, "cycles": cycles,
+            "mean_stages": _mean(stages), "stages_hist": {str(k): v for k, v in sorted(Counter(stages).items())},
             "draft_ms": per_cycle("draft_s"), "verify_ms": per_cycle("verify_s"), "other_ms": per_cycle("other_s")}
 
 
@@ -78,8 +80,9 @@ def environment() -> dict:
     return env
 
 
-def summarize(records: list[dict], labels: list[str], config: dict, datasets: dict, stopped: str | None) -> dict:
-    """Everything the report shows, per dataset and pooled over all datasets."""
+def summarize(records: list[dict], labels: list[str], config: dict, datasets: dict, stopped: str | None,
+              variants: dict[str, dict] | None = None) -> dict:
+    """Everything the report shows, per dataset and pooled over all datasets (variants: label → description)."""
     by: dict[str, dict[tuple, dict]] = {}
     for r in records:
         by.setdefault(r["method"], {})[(r["dataset"], r["id"])] = r
@@ -104,7 +107,8 @@ def summarize(records: list[dict], labels: list[str], config: dict, datasets: di
     overall = results[ALL]
     mism = {m: r["mismatches"] for m, r in overall.items() if "mismatches" in r}
     planned = sum(len(ps) for ps in datasets.values()) * len(labels)
-    return {"config": config, "methods": labels, "datasets": {k: len(v) for k, v in datasets.items()},
+    return {"config": config, "methods": labels, "variants": variants or {},
+            "datasets": {k: len(v) for k, v in datasets.items()},
             "runs_done": len(records), "runs_planned": planned, "complete": len(records) >= planned,
             "stopped": stopped, "results": results, "environment": environment(),
             "written": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -118,15 +122,15 @@ def fmt(x, spec: str = ".2f", suffix: str = "") -> str:
     return "—" if x is None else f"{x:{spec}}{suffix}"
 
 
-COLUMNS = ["method", "samples", "τ", "decode tok/s", "× ar", "× hf", "predicted × ar", "TTFT ms",
+COLUMNS = ["method", "samples", "τ", "stages", "decode tok/s", "× ar", "× hf", "predicted × ar", "TTFT ms",
            "draft / verify / other ms per cycle", "mismatches"]
 
 
 def row_cells(m: str, r: dict) -> list[str]:
     dvo = "—" if r["draft_ms"] is None else f"{r['draft_ms']:.1f} / {r['verify_ms']:.1f} / {r['other_ms']:.1f}"
     mism = "—" if "mismatches" not in r else f"{r['mismatches']}/{r['turns_compared']}"
-    return [m, str(r["samples"]), fmt(r["tau"]), fmt(r["decode_tok_s"], ".1f"), fmt(r["speedup_vs_ar"], ".2f", "×"),
-            fmt(r["speedup_vs_hf"], ".2f", "×"), fmt(r["predicted_vs_ar"], ".2f", "×"), fmt(r["ttft_ms"], ".0f"),
+    return [m, str(r["samples"]), fmt(r["tau"]), fmt(r.get("mean_stages")), fmt(r["decode_tok_s"], ".1f"),
+            fmt(r["speedup_vs_ar"], ".2f", "×"), fmt(r["speedup_vs_hf"], ".2f", "×"), fmt(r["predicted_vs_ar"], ".2f", "×"), fmt(r["ttft_ms"], ".0f"),
             dvo, mism]
 
 
@@ -177,11 +181,17 @@ def markdown(s: dict, plots: list[str]) -> str:
             total = sum(r["hist"].values())
             hist = ", ".join(f"{k}: {100 * v / total:.1f}%" for k, v in r["hist"].items())
             lines.append(f"- `{scope}` · {m}: τ {fmt(r['tau'])} over {total} cycles — {hist}")
+            if set(r.get("stages_hist") or {}) - {"1"}:  # DLoop variants that drafted more than one stage
+                n = sum(r["stages_hist"].values())
+                st = ", ".join(f"{k}: {100 * v / n:.1f}%" for k, v in r["stages_hist"].items())
+                lines.append(f"  - drafting stages per cycle: mean {fmt(r['mean_stages'])} — {st}")
     lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
     lines += ["", "## Definitions", "",
               "- decode tok/s: tokens after the first one / time after the first token (prefill excluded), "
               "pooled over all turns; TTFT is reported separately.",
               "- × ar, × hf: ratio of decode tok/s to that baseline on the prompts both finished.",
+              "- stages: mean drafting stages per cycle (DLoop: each stage drafts block size − 1 more tokens after "
+              "the previous stage's unverified drafts; 1 = plain DFlash); — for methods without a drafter.",
               "- τ: mean tokens per target forward (acceptance length = accepted drafts + 1); for hf-lookup it is "
               "the mean size of the chunks `generate` hands its streamer.",
               "- predicted × ar = T_AR · τ / (T_d + T_v + T_o), with T_AR ar's mean per-token decode time and "

@@ -177,6 +177,25 @@ def test_training_forward_matches_draft_block(tiny_llama, over):
     assert labels[0, 1].tolist() == ids[0, 12:19].tolist()
 
 
+def test_loop_stage_training_forward_matches_inference(tiny_llama):
+    """A DLoop stage-s training block (revealed prefix + masks) equals the drafter run on that extended block."""
+    drafter = random_drafter(tiny_llama, block_size=4)
+    B, n, s = 4, 40, 3
+    L = (s - 1) * (B - 1) + B  # 10: anchor, 6 revealed tokens, 3 masks
+    ids = torch.randint(0, VOCAB - 1, (1, n), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        out = tiny_llama(input_ids=ids, output_hidden_states=True)
+        feats = torch.cat([out.hidden_states[i + 1] for i in drafter.config.target_layer_ids], -1)
+        anchors = torch.tensor([[2, 14, 27]])
+        hidden = drafter_hidden(drafter, drafter, T.embed(tiny_llama), feats, ids, anchors, MASK_ID, L, L - B + 1)
+        train_logits = drafter.logits(hidden, T.lm_head(tiny_llama))[0]  # [N, L, V]
+        for j, a in enumerate(anchors[0].tolist()):
+            block = torch.cat([ids[0, a:a + L - B + 1], torch.full((B - 1,), MASK_ID)])
+            ref = draft_block(drafter, ContextCache(), feats[:, :a], T.embed(tiny_llama)(block)[None], a,
+                              T.lm_head(tiny_llama))  # [L-1, V] for block positions 1..L-1
+            assert torch.allclose(train_logits[j, 1:], ref, atol=1e-4, rtol=1e-4)
+
+
 # ---------------------------------------------------------------- prepare
 
 def test_prepare_format_and_resume(tiny_dir, prompts_file, data_dir, tmp_path):
@@ -379,6 +398,26 @@ def test_train_dflash2_from_dflash1_starts_equal(data_dir, tiny_dir, tmp_path):
     with pytest.raises(FlashdraftError, match="is a DFlash 2 drafter"):
         build_or_load_drafter(tiny_cfg(data_dir, tmp_path / "x", init_from=str(tmp_path / "o" / "step_0000006"),
                                        arch="dflash"), target)
+
+
+def test_loop_aware_training(data_dir, tiny_dir, tmp_path):
+    from flashdraft.train.trainer import loop_stage
+
+    assert {loop_stage(0, st, 3) for st in range(40)} == {2, 3} and loop_stage(0, 5, 1) == 1
+    target = load_target(str(tiny_dir))
+    quiet = lambda *a, **k: None  # noqa: E731
+    full = train(tiny_cfg(data_dir, tmp_path / "a", loop_stages=3, block_size=3, loss_vocab=16), target=target,
+                 log=quiet)
+    assert full["eval_loop_tau"] >= 1 and "eval_loop_loss" in full
+    part = train(tiny_cfg(data_dir, tmp_path / "b", loop_stages=3, block_size=3, loss_vocab=16, stop_after=3),
+                 target=target, log=quiet)
+    resumed = train(tiny_cfg(data_dir, tmp_path / "b", loop_stages=3, block_size=3, loss_vocab=16, resume=True),
+                    target=target, log=quiet)
+    assert part["final_step"] == 3
+    a, b = full["drafter"].state_dict(), resumed["drafter"].state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    plain = train(tiny_cfg(data_dir, tmp_path / "c", block_size=3, loss_vocab=16), target=target, log=quiet)
+    assert any(not torch.equal(a[k], v) for k, v in plain["drafter"].state_dict().items())  # the stage loss counts
 
 
 def test_sampled_softmax_training(data_dir, tiny_dir, tmp_path):

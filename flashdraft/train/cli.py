@@ -142,6 +142,9 @@ def add_train(sub) -> None:
     p.add_argument("--selector-top-k", type=int, help="DFlash 2 candidates per position (default 16)")
     p.add_argument("--selector-weight", type=float, default=d.selector_weight,
                    help="DFlash 2: weight of the selector loss added to the block loss")
+    p.add_argument("--loop-stages", type=int, default=d.loop_stages, metavar="S",
+                   help="DLoop-aware training: each step also trains one later stage s in 2..S (drafting positions "
+                        "(s-1)(B-1)+1..s(B-1) from the revealed true prefix); loss = (stage 1 + stage s) / 2")
     p.add_argument("--target-init", action="store_true",
                    help="warm-start a new drafter's layers from the target's last layers and fc from its last feature "
                         "layer (needs equal layer shapes); the final norm always starts as the target's")

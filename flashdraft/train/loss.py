@@ -103,7 +103,7 @@ def loss_vocabulary(frequent: torch.Tensor, labels: torch.Tensor, n_random: int,
 
 def remap_labels(labels: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
     """Token ids → their index in the sorted vocab_ids (every label must be in it)."""
-    return torch.searchsorted(vocab_ids, labels)
+    return torch.searchsorted(vocab_ids, labels.contiguous())
 
 
 def mean_loss(num: torch.Tensor, n_blocks: int, w: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,7 @@ from .mask import block_positions, eligible_anchors, pad_anchors, sample_anchors
 # settings that must not change when resuming (they change the data order, the model or the schedule)
 RESUME_KEYS = ("data", "num_layers", "block_size", "mask_token_id", "steps", "batch_size", "lr", "min_lr_ratio",
                "warmup_steps", "weight_decay", "anchors", "gamma", "kl_weight", "seed", "offline", "eval_sequences",
-               "loss_vocab", "target_init", "arch", "selector_rank", "selector_top_k", "selector_weight")
+               "loss_vocab", "target_init", "arch", "selector_rank", "selector_top_k", "selector_weight", "loop_stages")
 
 
 @dataclass
@@ -83,6 +83,7 @@ class TrainConfig:
     selector_rank: int | None = None  # DFlash 2 (None: the config default, or the --init-from drafter's)
     selector_top_k: int | None = None
     selector_weight: float = 1.0  # DFlash 2: weight of the candidate-selector loss
+    loop_stages: int = 1  # DLoop: also train a later stage (2..S) on a teacher-forced prefix each step
     target_init: bool = False  # warm-start a fresh drafter's layers from the target's last layers
     loss_vocab: int = 0  # >0: sampled softmax over the N most frequent training tokens (+ labels, + N/4 random ids)
 
@@ -157,22 +158,25 @@ def target_features(model, ids: torch.Tensor, attn: torch.Tensor, layer_ids: lis
 
 
 def drafter_hidden(drafter: nn.Module, raw: nn.Module, embed: nn.Module, feats: torch.Tensor, ids: torch.Tensor,
-                   anchors: torch.Tensor, mask_id: int) -> torch.Tensor:
-    """One drafter pass over all anchor blocks: feats [b, n, F], ids [b, n], anchors [b, N] → hidden [b, N, B, h].
+                   anchors: torch.Tensor, mask_id: int, block_len: int | None = None, known: int = 1) -> torch.Tensor:
+    """One drafter pass over all anchor blocks: feats [b, n, F], ids [b, n], anchors [b, N] → hidden [b, N, L, h].
 
-    `drafter` is what gets called (maybe DDP-wrapped); `raw` is the module itself (for context_kv / config).
+    A block is L = block_len (default B) positions a..a+L-1 whose first `known` inputs are the true tokens x[a..] and
+    the rest the mask token: plain DFlash has known = 1 (the anchor); a DLoop stage s has L = s(B-1)+1 and
+    known = L-B+1 (the teacher-forced prefix). `drafter` is what gets called (maybe DDP-wrapped); `raw` is the
+    module itself (for context_kv / config).
     """
     cfg = raw.config
-    B = cfg.block_size
+    L = block_len or cfg.block_size
     b, n = ids.shape
     ctx = raw.context_kv(feats, torch.arange(n, device=ids.device)[None].expand(b, n))
-    pos = block_positions(anchors, B)  # [b, T]
-    block_ids = torch.full_like(pos, mask_id)
-    block_ids[:, ::B] = ids.gather(1, anchors)
+    pos = block_positions(anchors, L)  # [b, T]
+    is_known = (torch.arange(pos.shape[1], device=ids.device) % L < known)[None].expand_as(pos)
+    block_ids = torch.where(is_known, ids.gather(1, pos.clamp(max=n - 1)), mask_id)
     emb = embed(block_ids).to(torch.float32)
-    masks = training_masks(cfg.layer_types, anchors, n, B, cfg.sliding_window)
-    hidden = drafter(emb, pos, ctx, masks, B)
-    return hidden.view(b, anchors.shape[1], B, -1)
+    masks = training_masks(cfg.layer_types, anchors, n, L, cfg.sliding_window)
+    hidden = drafter(emb, pos, ctx, masks, L)
+    return hidden.view(b, anchors.shape[1], L, -1)
 
 
 def block_labels(ids: torch.Tensor, anchors: torch.Tensor, B: int) -> torch.Tensor:
@@ -187,36 +191,56 @@ def autocast(device: torch.device, dtype: torch.dtype):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def micro_loss(drafter: nn.Module, raw: nn.Module, target, seqs: list[Sequence], anchors: list[torch.Tensor],
-               cfg: TrainConfig, w: torch.Tensor, device: torch.device, dtype: torch.dtype,
-               vocab_ids: torch.Tensor | None = None):
-    """Loss numerator and correctness [M, B-1] for a micro-batch of sequences with their anchors.
+def stage_len(block_size: int, stage: int) -> int:
+    """Block length of DLoop stage s: the anchor, (s-1)(B-1) revealed tokens and B-1 masks."""
+    return (stage - 1) * (block_size - 1) + block_size
 
-    vocab_ids: sorted ids of a sampled softmax (containing every label), or None for the full vocabulary.
-    """
-    B = raw.config.block_size
+
+def loop_stage(seed: int, step: int, loop_stages: int) -> int:
+    """The later stage trained at `step` (uniform over 2..S, a pure function of seed and step), or 1 without looping."""
+    if loop_stages < 2:
+        return 1
+    return 2 + int(torch.randint(loop_stages - 1, (1,), generator=anchor_generator(seed, step, -2)))
+
+
+def micro_inputs(target, raw: nn.Module, seqs: list[Sequence], cfg: TrainConfig, device: torch.device,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Right-padded ids [b, n], target features [b, n, F] (stored or computed) and, for the KL term, target logits."""
     ids, attn = right_pad([s.input_ids for s in seqs])
     ids, attn = ids.to(device), attn.to(device)
-    a, valid = pad_anchors(anchors)
-    a, valid = a.to(device), valid.to(device)
-    tlogits = None
     if cfg.offline:
         feats = torch.zeros(len(seqs), ids.shape[1], seqs[0].features.shape[-1], dtype=torch.bfloat16)
         for i, s in enumerate(seqs):
             feats[i, : len(s.input_ids)] = s.features
-        feats = feats.to(device=device, dtype=torch.float32)  # autocast lowers it again when training in bf16
-    else:
-        with autocast(device, dtype):
-            feats, tlogits = target_features(target, ids, attn, raw.config.target_layer_ids, cfg.kl_weight > 0)
+        return ids, feats.to(device=device, dtype=torch.float32), None  # autocast lowers it again in bf16
+    with autocast(device, dtype):
+        feats, tlogits = target_features(target, ids, attn, raw.config.target_layer_ids, cfg.kl_weight > 0)
+    return ids, feats, tlogits
+
+
+def micro_loss(drafter: nn.Module, raw: nn.Module, target, inputs: tuple, anchors: list[torch.Tensor],
+               cfg: TrainConfig, w: torch.Tensor, device: torch.device, dtype: torch.dtype,
+               vocab_ids: torch.Tensor | None = None, stage: int = 1):
+    """Loss numerator, correctness [M, B-1] and (DFlash 2) top-k recall for a micro-batch's anchors at a loop stage.
+
+    inputs: micro_inputs(...); vocab_ids: sorted ids of a sampled softmax (containing every label), or None for the
+    full vocabulary; stage s > 1 predicts positions (s-1)(B-1)+1 .. s(B-1) from the revealed prefix (DLoop).
+    """
+    B = raw.config.block_size
+    L = stage_len(B, stage)
+    first = L - B + 1  # block offset of the first predicted position
+    ids, feats, tlogits = inputs
+    a, valid = pad_anchors(anchors)
+    a, valid = a.to(device), valid.to(device)
     lm_head, embed = T.lm_head(target), T.embed(target)
     with autocast(device, dtype):
-        hidden = drafter_hidden(drafter, raw, embed, feats, ids, a, raw.config.mask_token_id)
-        h = hidden[valid][:, 1:]  # [M, B-1, h]
-        labels = block_labels(ids, a, B)[valid]
+        hidden = drafter_hidden(drafter, raw, embed, feats, ids, a, raw.config.mask_token_id, L, first)
+        h = hidden[valid][:, first:]  # [M, B-1, h]
+        labels = block_labels(ids, a, L)[valid][:, first - 1:]
         t = None
         if tlogits is not None:  # the target's distribution for x[a+k] sits at position a+k-1
-            tpos = (block_positions(a, B).view(*a.shape, B)[..., :-1])[valid]  # [M, B-1]
-            bidx = torch.arange(len(seqs), device=device)[:, None].expand_as(a)[valid]
+            tpos = (block_positions(a, L).view(*a.shape, L)[..., first - 1:-1])[valid]  # [M, B-1]
+            bidx = torch.arange(len(ids), device=device)[:, None].expand_as(a)[valid]
             t = tlogits[bidx[:, None], tpos]
         y = labels
         if vocab_ids is not None:
@@ -276,6 +300,8 @@ def build_or_load_drafter(cfg: TrainConfig, target) -> nn.Module:
     check_compatible(dc, T.num_layers(model), T.hidden_size(model), vocab, cfg.init_from or "drafter")
     if dc.block_size < 2:
         raise FlashdraftError(f"--block-size must be >= 2 for training, got {dc.block_size}")
+    if cfg.loop_stages > 1 and dc.arch == "dflash2":
+        raise FlashdraftError("--loop-stages > 1 trains DFlash 1 drafters only; use a DFlash 1 drafter or --loop-stages 1")
     return drafter
 
 
@@ -322,6 +348,8 @@ def check_config(cfg: TrainConfig, world: int) -> None:
         raise FlashdraftError(f"--lr must be > 0, got {cfg.lr}")
     if cfg.batch_size % world:
         raise FlashdraftError(f"--batch-size {cfg.batch_size} must be a multiple of the number of processes ({world})")
+    if cfg.loop_stages < 1:
+        raise FlashdraftError(f"--loop-stages must be >= 1 (1 = plain DFlash), got {cfg.loop_stages}")
     if cfg.loss_vocab < 0:
         raise FlashdraftError(f"--loss-vocab must be >= 0 (0 = full vocabulary), got {cfg.loss_vocab}")
     if cfg.loss_vocab and cfg.kl_weight > 0:
@@ -402,18 +430,19 @@ def load_state(path: Path, cfg: TrainConfig) -> dict:
 
 @torch.no_grad()
 def evaluate(raw: nn.Module, target, seqs: list[Sequence], cfg: TrainConfig, w: torch.Tensor,
-             device: torch.device, dtype: torch.dtype) -> dict:
-    """Held-out loss, per-position accuracy and τ̂ with fixed anchors (identical every call)."""
+             device: torch.device, dtype: torch.dtype, stage: int = 1) -> dict:
+    """Held-out loss, per-position accuracy and τ̂ with fixed anchors (identical every call), at a loop stage."""
     if not seqs:
         return {}
-    B = raw.config.block_size
+    B = stage_len(raw.config.block_size, stage)
     mb = cfg.micro_batch or max(1, cfg.batch_size)
     num, correct, recall, n_blocks = 0.0, [], [], 0
     for i in range(0, len(seqs), mb):
         part = seqs[i:i + mb]
         anchors = [sample_anchors(s.loss_mask, B, cfg.anchors, anchor_generator(cfg.seed, -1, i + j))
                    for j, s in enumerate(part)]
-        n, c, r = micro_loss(raw, raw, target, part, anchors, cfg, w, device, dtype)
+        inputs = micro_inputs(target, raw, part, cfg, device, dtype)
+        n, c, r = micro_loss(raw, raw, target, inputs, anchors, cfg, w, device, dtype, stage=stage)
         num += float(n)
         correct.append(c.cpu())
         if r is not None:
@@ -518,30 +547,41 @@ def train(cfg: TrainConfig, target=None, log=print) -> dict:
     drafter.train()
     for step in range(start, last_stop):
         all_idx = step_indices(step, len(train_seqs), cfg.batch_size, cfg.seed)
-        all_anchors = [sample_anchors(train_seqs[i].loss_mask, B, cfg.anchors, anchor_generator(cfg.seed, step, i))
-                       for i in all_idx]
-        seqs, anchors = [train_seqs[i] for i in all_idx[rank::world]], all_anchors[rank::world]
-        n_blocks = torch.tensor(float(sum(len(a) for a in anchors)), device=device)  # NCCL reduces GPU tensors
-        if world > 1:
-            dist.all_reduce(n_blocks)
-        denom = float(n_blocks) * float(w.sum())
+        # stage 1 (plain DFlash) always; with --loop-stages S also one later stage s, loss = (L_1 + L_s) / 2
+        stages = [1] + ([loop_stage(cfg.seed, step, cfg.loop_stages)] if cfg.loop_stages > 1 else [])
+        plans = []  # per stage: (stage, this rank's anchors, loss scale)
+        labels = []
+        for st in stages:
+            L = stage_len(B, st)
+            all_anchors = [sample_anchors(train_seqs[i].loss_mask, L, cfg.anchors,
+                                          anchor_generator(cfg.seed, step, i if st == 1 else -(st * len(train_seqs) + i)))
+                           for i in all_idx]
+            n = torch.tensor(float(sum(len(a) for a in all_anchors)))
+            plans.append((st, all_anchors[rank::world], world / max(float(n) * float(w.sum()), 1e-9) / len(stages)))
+            if st == 1:
+                n_blocks = n
+            if frequent is not None:
+                labels += [block_labels(train_seqs[i].input_ids[None], a[None], L).flatten() for i, a in
+                           zip(all_idx, all_anchors)]
+        seqs = [train_seqs[i] for i in all_idx[rank::world]]
         vocab_ids = None
         if frequent is not None:  # the same ids on every rank: labels of the global batch, generator of the step
-            labels = torch.cat([block_labels(train_seqs[i].input_ids[None], a[None], B).flatten()
-                                for i, a in zip(all_idx, all_anchors)])
-            vocab_ids = loss_vocabulary(frequent, labels, cfg.loss_vocab // 4, T.vocab_size(model),
+            vocab_ids = loss_vocabulary(frequent, torch.cat(labels), cfg.loss_vocab // 4, T.vocab_size(model),
                                         anchor_generator(cfg.seed, step, -1))
         opt.zero_grad(set_to_none=True)
         step_num, step_correct = 0.0, []
         for j in range(0, len(seqs), mb):
-            last = j + mb >= len(seqs)
-            sync = contextlib.nullcontext() if (last or world == 1) else ddp.no_sync()
-            with sync:
-                num, correct, _ = micro_loss(ddp, drafter, model, seqs[j:j + mb], anchors[j:j + mb], cfg, w,
-                                             device, dtype, vocab_ids)
-                (num * (world / denom)).backward()
-            step_num += float(num.detach())
-            step_correct.append(correct.detach().cpu())
+            inputs = micro_inputs(model, drafter, seqs[j:j + mb], cfg, device, dtype)
+            for si, (st, anchors, scale) in enumerate(plans):
+                last = j + mb >= len(seqs) and si == len(plans) - 1
+                sync = contextlib.nullcontext() if (last or world == 1) else ddp.no_sync()
+                with sync:
+                    num, correct, _ = micro_loss(ddp, drafter, model, inputs, anchors[j:j + mb], cfg, w, device,
+                                                 dtype, vocab_ids, st)
+                    (num * scale).backward()
+                if st == 1:  # progress lines report stage 1 (plain DFlash), comparable across runs
+                    step_num += float(num.detach())
+                    step_correct.append(correct.detach().cpu())
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
         opt.step()
         sched.step()
@@ -567,12 +607,18 @@ def train(cfg: TrainConfig, target=None, log=print) -> dict:
             if is_main and (done % cfg.eval_every == 0 or done == last_stop):
                 drafter.eval()
                 ev = evaluate(drafter, model, eval_seqs, cfg, w, device, dtype)
+                if cfg.loop_stages > 1:  # the last stage, predicting from a revealed prefix of (S-1)(B-1)+1 tokens
+                    ev.update({f"loop_{k}": v for k, v in
+                               evaluate(drafter, model, eval_seqs, cfg, w, device, dtype, cfg.loop_stages).items()
+                               if k in ("loss", "acc", "tau")})
                 drafter.train()
                 row.update({f"eval_{k}": v for k, v in ev.items()})
             eta = (last_stop - done) / rate if rate > 0 else 0.0
             line = (f"step {done}/{cfg.steps} loss {row['loss']:.3f} acc {row['acc']:.3f} τ̂ {row['tau']:.2f}"
                     + (f" | eval loss {row['eval_loss']:.3f} acc {row['eval_acc']:.3f} τ̂ {row['eval_tau']:.2f} "
                        f"acc@k% {' '.join(f'{100 * a:.0f}' for a in row['eval_acc_pos'])}" if "eval_loss" in row else "")
+                    + (f" | stage {cfg.loop_stages}: eval loss {row['eval_loop_loss']:.3f} τ̂ {row['eval_loop_tau']:.2f}"
+                       if "eval_loop_loss" in row else "")
                     + (f" top-{dc.selector_top_k} recall% "
                        f"{' '.join(f'{100 * a:.0f}' for a in row['eval_topk_recall_pos'])}"
                        if "eval_topk_recall_pos" in row else "")
