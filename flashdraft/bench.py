@@ -440,17 +440,24 @@ def add_bench(sub) -> None:
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-chat", action="store_true", help="tokenize prompts as raw text, no chat template")
+    p.add_argument("--no-ar", action="store_true",
+                   help="skip the ar reference: no speedup vs ar and no token-identity check (for τ-only sweeps, "
+                        "where ar would double the cost)")
     p.add_argument("--limit-time", type=float, help="stop starting new runs after SECONDS and report what finished")
     p.add_argument("--out", required=True, help="results directory (re-running with it resumes)")
     p.set_defaults(func=cmd_bench)
 
 
-def parse_methods(text: str) -> list[str]:
+def parse_methods(text: str, reference: bool = True) -> list[str]:
+    """--methods as a list, with ar (the reference) first unless --no-ar."""
     methods = [m.strip() for m in text.split(",") if m.strip()]
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:
         raise FlashdraftError(f"--methods: unknown {bad or text!r}; choose from {', '.join(METHODS)}")
-    return ["ar"] + [m for m in dict.fromkeys(methods) if m != "ar"]
+    methods = [m for m in dict.fromkeys(methods) if m != "ar"]
+    if not reference and not methods:
+        raise FlashdraftError("--no-ar leaves no method to run; add one to --methods")
+    return (["ar"] if reference else []) + methods
 
 
 def parse_list(text: str, what: str, kind: type) -> list:
@@ -501,7 +508,7 @@ def cmd_bench(args) -> int:
     from .models import load_target
 
     check_bench_args(args)
-    methods = parse_methods(args.methods)
+    methods = parse_methods(args.methods, reference=not args.no_ar)
     loop_stages, loop_gates = parse_loops(args)
     labels = [parse_dataset(d) for d in args.dataset]
     if len({lab for lab, _ in labels}) != len(labels):

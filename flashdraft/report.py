@@ -86,7 +86,7 @@ def summarize(records: list[dict], labels: list[str], config: dict, datasets: di
     by: dict[str, dict[tuple, dict]] = {}
     for r in records:
         by.setdefault(r["method"], {})[(r["dataset"], r["id"])] = r
-    greedy = config["temperature"] == 0
+    greedy = config["temperature"] == 0 and "ar" in labels
     results = {}
     for scope in [*datasets, ALL]:
         keys = {(ds, p.id) for ds, ps in datasets.items() for p in ps if scope in (ALL, ds)}
@@ -148,6 +148,8 @@ def status_line(s: dict) -> str:
 def correctness_line(s: dict) -> str:
     c = s["correctness"]
     if not c["checked"]:
+        if s["config"]["temperature"] == 0:
+            return "token-identity check skipped: ar was not run (--no-ar)"
         return "token-identity check skipped: temperature > 0 (sampling streams differ by method)"
     if c["failed"]:
         bad = ", ".join(f"{m} on {n}/{c['turns_compared'][m]} turns" for m, n in c["mismatches"].items() if n)

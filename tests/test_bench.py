@@ -124,6 +124,16 @@ def test_sampling_settings_skip_identity_check(dirs, tmp_path):
     assert not s["correctness"]["checked"] and s["results"]["all"]["hf"]["decode_tok_s"] > 0
 
 
+def test_no_ar_runs_only_the_chosen_methods(dirs, tmp_path):
+    out = tmp_path / "run"
+    assert main(args(dirs, out, "--methods", "dflash", "--no-ar", "--max-samples", "2")) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert [r["method"] for r in lines(out / "samples.jsonl")] == [s["methods"][0]] * 2
+    assert s["methods"][0].startswith("dflash") and s["results"]["all"][s["methods"][0]]["tau"] >= 1
+    assert not s["correctness"]["checked"] and "--no-ar" in (out / "report.md").read_text()
+    assert s["results"]["all"][s["methods"][0]]["speedup_vs_ar"] is None
+
+
 def test_bad_input_is_one_line_exit_2(dirs, tmp_path, monkeypatch, capsys):
     fake = types.ModuleType("datasets")
     fake.load_dataset = lambda *a, **k: (_ for _ in ()).throw(ConnectionError("hub unreachable\nmore"))
