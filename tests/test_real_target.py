@@ -1,4 +1,4 @@
-"""The embedded default target (SmolLM2-135M-Instruct) with a random drafter: lossless against HF greedy."""
+"""The embedded default target (SmolLM2-135M-Instruct): random and shipped drafters, lossless against HF greedy."""
 
 import pytest
 import torch
@@ -44,3 +44,23 @@ def test_smollm2_stops_at_eos(smol):
     assert ref[-1] == 2 and len(ref) < 64  # the target itself stops at <|im_end|>
     res = generate_ids(target.model, drafter, ids, block_size=16, max_new_tokens=64, stop_token_ids=[2])
     assert res.output_ids == ref
+
+
+def test_shipped_drafter_is_registered_lossless_and_accepts(smol):
+    """The packaged default drafter: z-lab bf16 files, used by default, lossless, and it actually accepts drafts."""
+    from flashdraft.models import load_drafter_for, registered_drafter
+
+    target, _ = smol
+    path = registered_drafter(target.name)
+    assert path is not None and (path / "model.safetensors").stat().st_size < 30e6 and (path / "README.md").is_file()
+    drafter = load_drafter_for(target, None)
+    assert drafter.config.block_size == 16 and drafter.config.mask_token_id == 16
+    ids = target.encode("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips "
+                        "in May. How many clips did Natalia sell altogether in April and May?")
+    ref = hf_greedy(target.model, ids, 64)
+    res = generate_ids(target.model, drafter, ids, max_new_tokens=64, stop_token_ids=target.stop_token_ids())
+    assert_greedy_lossless(target.model, ids, res.output_ids, ref)
+    assert res.tau > 1.2, res.tau  # a trained drafter, not a random one (τ ≈ 1)
+    looped = generate_ids(target.model, drafter, ids, max_new_tokens=64, stop_token_ids=target.stop_token_ids(),
+                          loop_stages=2, loop_gate=-2.0)
+    assert_greedy_lossless(target.model, ids, looped.output_ids, ref)

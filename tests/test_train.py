@@ -429,6 +429,7 @@ def test_sampled_softmax_training(data_dir, tiny_dir, tmp_path):
     part = train(tiny_cfg(data_dir, tmp_path / "b", loss_vocab=16, stop_after=3), target=target, log=quiet)
     resumed = train(tiny_cfg(data_dir, tmp_path / "b", loss_vocab=16, resume=True), target=target, log=quiet)
     assert part["final_step"] == 3 and "eval_tau" in full
+    assert len(full["eval_topk_recall_pos"]) == 3  # top-16 recall of a DFlash 1 drafter, for comparison
     a, b = full["drafter"].state_dict(), resumed["drafter"].state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)  # the sampled ids are a pure function of (seed, step)
 

@@ -38,6 +38,8 @@ from .loss import (block_loss, loss_vocabulary, mean_loss, position_accuracy, po
                    tau_hat)
 from .mask import block_positions, eligible_anchors, pad_anchors, sample_anchors, training_masks
 
+RECALL_K = 16  # evaluation reports how often the true token is in a DFlash 1 drafter's top-16 (DFlash 2: its top-k)
+
 # settings that must not change when resuming (they change the data order, the model or the schedule)
 RESUME_KEYS = ("data", "num_layers", "block_size", "mask_token_id", "steps", "batch_size", "lr", "min_lr_ratio",
                "warmup_steps", "weight_decay", "anchors", "gamma", "kl_weight", "seed", "offline", "eval_sequences",
@@ -248,6 +250,11 @@ def micro_loss(drafter: nn.Module, raw: nn.Module, target, inputs: tuple, anchor
             y = remap_labels(labels, vocab_ids)
         aux = None
         selector = getattr(raw, "candidate_selector", None)
+        if selector is None and not torch.is_grad_enabled():  # evaluation: how often top-k holds the true token
+
+            def aux(hh, logits, rows):
+                k = logits.topk(min(RECALL_K, logits.shape[-1]), -1).indices
+                return logits.new_zeros(()), (k == y[rows][..., None]).any(-1)
         if selector is not None:  # the true predecessor of x[a+k] is x[a+k-1] (the anchor for k = 1)
             prev = torch.cat([ids.gather(1, a)[valid][:, None], labels[:, :-1]], 1)
             ws = w.to(device) * cfg.selector_weight
@@ -452,7 +459,7 @@ def evaluate(raw: nn.Module, target, seqs: list[Sequence], cfg: TrainConfig, w: 
     acc = position_accuracy(c)
     out = {"loss": float(mean_loss(torch.tensor(num), n_blocks, w)), "acc": float(c.float().mean()),
            "acc_pos": [round(float(x), 4) for x in acc], "tau": tau_hat(c), "blocks": n_blocks}
-    if recall:  # DFlash 2: how often the true token is among the selector's top-k candidates
+    if recall:  # how often the true token is among the top-k (DFlash 2: the selector's candidates)
         out["topk_recall_pos"] = [round(float(x), 4) for x in position_accuracy(torch.cat(recall))]
     return out
 
@@ -619,7 +626,7 @@ def train(cfg: TrainConfig, target=None, log=print) -> dict:
                        f"acc@k% {' '.join(f'{100 * a:.0f}' for a in row['eval_acc_pos'])}" if "eval_loss" in row else "")
                     + (f" | stage {cfg.loop_stages}: eval loss {row['eval_loop_loss']:.3f} τ̂ {row['eval_loop_tau']:.2f}"
                        if "eval_loop_loss" in row else "")
-                    + (f" top-{dc.selector_top_k} recall% "
+                    + (f" top-{dc.selector_top_k if dc.arch == 'dflash2' else RECALL_K} recall% "
                        f"{' '.join(f'{100 * a:.0f}' for a in row['eval_topk_recall_pos'])}"
                        if "eval_topk_recall_pos" in row else "")
                     + f" | lr {row['lr']:.2e} | {row['tok_s']:.0f} tok/s {row['blocks_s']:.1f} blocks/s"
