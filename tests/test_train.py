@@ -455,6 +455,34 @@ def test_resume_is_bit_for_bit(data_dir, tiny_dir, tmp_path):
                for x, y in zip(sa["optimizer"]["state"].values(), sb["optimizer"]["state"].values()))
 
 
+@pytest.mark.slow  # ~15 s: a training subprocess is SIGKILLed mid-run, then resumed
+def test_killed_run_resumes_bit_for_bit(data_dir, tiny_dir, tmp_path):
+    import signal
+    import time
+
+    argv = ["train", "--data", str(data_dir), "--target", str(tiny_dir), "--num-layers", "1", "--block-size", "4",
+            "--steps", "400", "--batch-size", "4", "--anchors", "8", "--lr", "1e-3", "--dtype", "float32",
+            "--save-dtype", "float32", "--eval-sequences", "2", "--eval-every", "1000", "--log-every", "50",
+            "--save-every", "5", "--keep-last", "2", "--threads", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "flashdraft.cli", *argv, "--out", str(killed)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while not (killed / "step_0000010").is_dir() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)  # no chance to clean up: only atomically written checkpoints survive
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    steps = sorted(p.name for p in killed.glob("step_*"))
+    assert steps and all((killed / p / "train_state.pt").is_file() for p in steps)
+    assert main([*argv, "--out", str(killed), "--resume"]) == 0
+    assert main([*argv, "--out", str(tmp_path / "straight")]) == 0
+    a = load_drafter(killed / "step_0000400").state_dict()
+    b = load_drafter(tmp_path / "straight" / "step_0000400").state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_data_order_is_a_pure_function_of_step():
     assert step_indices(5, 10, 4, 0) == step_indices(5, 10, 4, 0)
     epoch0 = step_indices(0, 10, 5, 0) + step_indices(1, 10, 5, 0)
