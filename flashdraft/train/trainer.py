@@ -256,7 +256,8 @@ def micro_loss(drafter: nn.Module, raw: nn.Module, target, inputs: tuple, anchor
                 k = logits.topk(min(RECALL_K, logits.shape[-1]), -1).indices
                 return logits.new_zeros(()), (k == y[rows][..., None]).any(-1)
         if selector is not None:  # the true predecessor of x[a+k] is x[a+k-1] (the anchor for k = 1)
-            prev = torch.cat([ids.gather(1, a)[valid][:, None], labels[:, :-1]], 1)
+            block = torch.cat([ids.gather(1, a)[valid][:, None], block_labels(ids, a, L)[valid]], 1)  # x[a..a+L-1]
+            prev = block[:, first - 1:L - 1]
             ws = w.to(device) * cfg.selector_weight
 
             def aux(hh, logits, rows):
