@@ -238,7 +238,8 @@ def micro_loss(drafter: nn.Module, raw: nn.Module, target, inputs: tuple, anchor
     with autocast(device, dtype):
         hidden = drafter_hidden(drafter, raw, embed, feats, ids, a, raw.config.mask_token_id, L, first)
         h = hidden[valid][:, first:]  # [M, B-1, h]
-        labels = block_labels(ids, a, L)[valid][:, first - 1:]
+        block = block_labels(ids, a, L)[valid]  # x[a+1..a+L-1]
+        labels = block[:, first - 1:]
         t = None
         if tlogits is not None:  # the target's distribution for x[a+k] sits at position a+k-1
             tpos = (block_positions(a, L).view(*a.shape, L)[..., first - 1:-1])[valid]  # [M, B-1]
@@ -256,8 +257,7 @@ def micro_loss(drafter: nn.Module, raw: nn.Module, target, inputs: tuple, anchor
                 k = logits.topk(min(RECALL_K, logits.shape[-1]), -1).indices
                 return logits.new_zeros(()), (k == y[rows][..., None]).any(-1)
         if selector is not None:  # the true predecessor of x[a+k] is x[a+k-1] (the anchor for k = 1)
-            block = torch.cat([ids.gather(1, a)[valid][:, None], block_labels(ids, a, L)[valid]], 1)  # x[a..a+L-1]
-            prev = block[:, first - 1:L - 1]
+            prev = torch.cat([ids.gather(1, a)[valid][:, None], block], 1)[:, first - 1:L - 1]  # x[a+k-1]
             ws = w.to(device) * cfg.selector_weight
 
             def aux(hh, logits, rows):
