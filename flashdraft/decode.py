@@ -14,7 +14,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from . import target as T
-from .drafter import ContextCache, draft_hidden
+from .drafter import ContextCache, draft_hidden, proposal_logits
 from .errors import FlashdraftError
 from .sampling import SamplingParams, accept_greedy, accept_sampling, process, sample
 
@@ -117,9 +117,7 @@ def stage_drafter(model: PreTrainedModel, drafter: torch.nn.Module, params: Samp
     def draft(cache: ContextCache, new_features: torch.Tensor, inputs: list[int], start: int, n: int):
         block = torch.tensor(inputs + [mask_id] * n, device=model.device)
         hidden = draft_hidden(drafter, cache, new_features, embed(block)[None].to(dtype), start)
-        # the head runs on the last n+1 rows (all B rows for plain DFlash): CPU GEMMs are several times slower for
-        # some row counts (15 vs 16), see draft_block; the first of those rows proposes nothing
-        logits = drafter.logits(hidden[-(n + 1):], head)[1:]
+        logits = proposal_logits(drafter, hidden, head, n)
         if selector is not None:  # DFlash 2: walk the candidate paths from the last input; q is the selector's softmax
             drafts, q = selector.walk(hidden[-n:], logits, inputs[-1], params.temperature, gen)
         elif params.greedy:

@@ -184,10 +184,17 @@ def draft_hidden(drafter: DFlashDrafter, cache: ContextCache, new_features: torc
     return drafter(block_emb, block_pos, cache.kv, inference_masks(drafter.config, block_pos, start))[0]
 
 
+def proposal_logits(drafter: DFlashDrafter, hidden: torch.Tensor, lm_head: nn.Module, n: int) -> torch.Tensor:
+    """Logits [n, V] proposed by the last n block positions (hidden [L, h]).
+
+    The head runs on n+1 rows (all B rows for a plain block): CPU GEMMs are several times slower for some row
+    counts (15 vs 16); the first of those rows proposes nothing.
+    """
+    return drafter.logits(hidden[-(n + 1):], lm_head)[1:]
+
+
 def draft_block(drafter: DFlashDrafter, cache: ContextCache, new_features: torch.Tensor,
                 block_emb: torch.Tensor, start: int, lm_head: nn.Module) -> torch.Tensor:
-    """draft_hidden, then the target's LM head: logits [B-1, V] for block positions 1..B-1.
-
-    The head runs on all B rows: CPU GEMMs are several times slower for some row counts (15 vs 16).
-    """
-    return drafter.logits(draft_hidden(drafter, cache, new_features, block_emb, start), lm_head)[1:]
+    """draft_hidden, then the target's LM head: logits [B-1, V] for block positions 1..B-1."""
+    hidden = draft_hidden(drafter, cache, new_features, block_emb, start)
+    return proposal_logits(drafter, hidden, lm_head, hidden.shape[0] - 1)
