@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Iterator
 
 
-def _umask() -> int:
+def umask() -> int:
+    """The process umask (read without changing it)."""
     mask = os.umask(0)
     os.umask(mask)
     return mask
@@ -22,7 +23,7 @@ def write_text(path: str | Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        os.chmod(tmp, 0o666 & ~_umask())
+        os.chmod(tmp, 0o666 & ~umask())
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
@@ -39,7 +40,7 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
-    tmp.chmod(0o777 & ~_umask())  # mkdtemp makes 0700; a saved checkpoint should be readable like any new dir
+    tmp.chmod(0o777 & ~umask())  # mkdtemp makes 0700; a saved checkpoint should be readable like any new dir
     try:
         yield tmp
         old = None

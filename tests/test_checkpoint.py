@@ -6,6 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from flashdraft.atomic import umask
 from flashdraft.checkpoint import check_compatible, load_drafter, save_drafter
 from flashdraft.config import default_target_layer_ids
 from flashdraft.decode import generate_ids
@@ -87,6 +88,8 @@ def test_round_trip_is_exact_and_official(tmp_path):
     assert raw["block_size"] == 8 and raw["num_target_layers"] == 4 and raw["torch_dtype"] == "float32"
     names = set(load_file(str(tmp_path / "out" / "model.safetensors")))
     assert names == set(official_weights().keys())  # exactly the official names: no prefix, no embed/lm_head
+    for f in ("config.json", "model.safetensors"):  # readable like any file the user creates, not 0600
+        assert (tmp_path / "out" / f).stat().st_mode & 0o777 == 0o666 & ~umask()
     again = load_drafter(tmp_path / "out")
     for (k, a), (k2, b) in zip(drafter.state_dict().items(), again.state_dict().items()):
         assert k == k2 and torch.equal(a, b)
