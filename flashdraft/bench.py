@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -501,6 +502,10 @@ def check_bench_args(args) -> None:
         raise FlashdraftError(f"--out {out} exists and is not a directory")
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def cmd_bench(args) -> int:
     import torch
 
@@ -531,10 +536,14 @@ def cmd_bench(args) -> int:
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
     stopped, interrupted = None, False
+    # Background jobs ignore SIGINT, so `kill` (SIGTERM) must also stop cleanly and leave a report.
+    on_term = signal.signal(signal.SIGTERM, _interrupt)
     try:
         stopped = run_bench(target, datasets, variants, out, not args.no_chat, args.limit_time)
     except KeyboardInterrupt:
         stopped, interrupted = "interrupted", True
+    finally:
+        signal.signal(signal.SIGTERM, on_term)
     records = [r for r in load_records(out / "samples.jsonl")
                if r["dataset"] in datasets and r["method"] in {v.label for v in variants}
                and r["id"] in {p.id for p in datasets[r["dataset"]]}]

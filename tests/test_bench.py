@@ -116,6 +116,29 @@ def test_limit_time_stops_cleanly(dirs, tmp_path, monkeypatch):
     assert "partial" in (out / "report.md").read_text()
 
 
+def test_sigterm_stops_cleanly_with_a_report(dirs, tmp_path, monkeypatch):
+    """A background run stopped with `kill` keeps what finished and writes its report (exit 130)."""
+    import os
+    import signal
+
+    out, calls = tmp_path / "run", []
+    hf = bench.METHODS["hf"]
+
+    def hf_then_kill(t, i, s):
+        calls.append(1)
+        if len(calls) == 3:  # warm-up, first sample, then a kill during the second sample
+            os.kill(os.getpid(), signal.SIGTERM)
+        return hf(t, i, s)
+
+    monkeypatch.setitem(bench.METHODS, "hf", hf_then_kill)
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(args(dirs, out, "--methods", "ar,hf")) == 130
+    s = json.loads((out / "summary.json").read_text())
+    assert s["stopped"] == "interrupted" and not s["complete"] and s["runs_done"] == 3  # ar a, hf a, ar b
+    assert s["runs_done"] == len(lines(out / "samples.jsonl")) and (out / "report.md").is_file()
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is removed again
+
+
 def test_sampling_settings_skip_identity_check(dirs, tmp_path):
     out = tmp_path / "run"
     assert main(args(dirs, out, "--methods", "ar,hf", "--max-samples", "1", "--temperature", "0.8",
