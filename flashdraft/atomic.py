@@ -43,6 +43,10 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     tmp.chmod(0o777 & ~umask())  # mkdtemp makes 0700; a saved checkpoint should be readable like any new dir
     try:
         yield tmp
+        mode = 0o666 & ~umask()
+        for f in tmp.rglob("*"):  # some writers (safetensors) create files 0600; give them a new file's mode
+            if f.is_file():
+                f.chmod(mode)
         old = None
         if path.exists():
             old = path.with_name(f".{path.name}.old.{os.getpid()}")

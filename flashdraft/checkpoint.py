@@ -9,7 +9,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .atomic import atomic_dir, umask
+from .atomic import atomic_dir
 from .config import DrafterConfig, config_to_dict, load_config
 from .drafter import DFlashDrafter
 from .errors import FlashdraftError
@@ -85,7 +85,6 @@ def save_drafter(model: torch.nn.Module, path: str | Path, dtype: str | torch.dt
     with atomic_dir(path) as tmp:
         (tmp / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2) + "\n")
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "model.safetensors").chmod(0o666 & ~umask())  # safetensors creates it 0600; share like any new file
 
 
 def check_compatible(cfg: DrafterConfig, num_layers: int, hidden_size: int, vocab_size: int, where: str) -> None:
