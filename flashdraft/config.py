@@ -41,6 +41,7 @@ class DrafterConfig:
     rope_scaling: dict[str, Any] | None = None
     layer_types: list[str] = field(default_factory=list)
     sliding_window: int | None = None
+    is_causal: bool | None = None  # the official per-layer causality switch; None: only sliding layers are causal
     attention_bias: bool = False
     hidden_act: str = "silu"
     output_multiplier: float | None = None
@@ -63,6 +64,8 @@ class DrafterConfig:
             )
         if "sliding_attention" in self.layer_types and not self.sliding_window:
             raise FlashdraftError("config.json: sliding_attention layers need a positive sliding_window")
+        if self.is_causal is not None and not isinstance(self.is_causal, bool):
+            raise FlashdraftError(f"config.json: is_causal must be true, false or absent, got {self.is_causal!r}")
         if self.block_size < 1:
             raise FlashdraftError(f"config.json: block_size must be >= 1, got {self.block_size}")
 
@@ -85,6 +88,16 @@ class DrafterConfig:
             max_position_embeddings=self.max_position_embeddings, rope_parameters=rope,
             hidden_act=self.hidden_act, attention_bias=self.attention_bias,
         )
+
+
+def layer_attention(kind: str, is_causal: bool | None, sliding_window: int | None) -> tuple[bool, int | None]:
+    """(causal, window) of a layer kind, as the official code decides it.
+
+    A present is_causal applies to every layer; absent, sliding layers are causal and full layers are not.
+    Only sliding layers have a window.
+    """
+    causal = kind == "sliding_attention" if is_causal is None else is_causal
+    return causal, sliding_window if kind == "sliding_attention" else None
 
 
 def _pick(raw: dict, dflash: dict, key: str, default: Any = None) -> Any:
@@ -133,7 +146,8 @@ def config_from_dict(raw: dict, source: str = "config.json") -> DrafterConfig:
         block_size=int(_pick(raw, dflash, "block_size", 16)), rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
         max_position_embeddings=raw.get("max_position_embeddings", 32768), rope_theta=float(rope_theta),
         rope_scaling=rope_scaling, layer_types=list(raw.get("layer_types") or []),
-        sliding_window=raw.get("sliding_window"), attention_bias=bool(raw.get("attention_bias", False)),
+        sliding_window=raw.get("sliding_window"), is_causal=raw.get("is_causal"),
+        attention_bias=bool(raw.get("attention_bias", False)),
         hidden_act=raw.get("hidden_act", "silu"),
         output_multiplier=_pick(raw, dflash, "output_multiplier"),
         final_logit_softcapping=_pick(raw, dflash, "final_logit_softcapping"),
@@ -163,6 +177,8 @@ def config_to_dict(cfg: DrafterConfig) -> dict:
                 "rope_theta", "rope_scaling", "layer_types", "sliding_window", "attention_bias", "hidden_act"):
         out[key] = d[key]
     out["use_sliding_window"] = "sliding_attention" in cfg.layer_types
+    if cfg.is_causal is not None:
+        out["is_causal"] = cfg.is_causal
     out["tie_word_embeddings"] = False
     out["torch_dtype"] = cfg.torch_dtype
     out["block_size"] = cfg.block_size

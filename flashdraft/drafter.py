@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
-from .config import DrafterConfig
+from .config import DrafterConfig, layer_attention
 
 KV = tuple[torch.Tensor, torch.Tensor]  # each [b, kv_heads, n, head_dim]
 
@@ -152,18 +152,30 @@ class DFlashDrafter(nn.Module):
         return logits
 
 
-def sliding_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
-    """Causal windowed visibility: key at position j is visible from query i iff i - window < j <= i."""
+def visible_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window: int | None) -> torch.Tensor:
+    """Bool [b, 1, T, n]: key at position j is visible from query at position i.
+
+    Causal: j <= i. A window w adds i - j < w and, in a non-causal layer, also j - i < w (the official rule).
+    """
     diff = q_pos[..., :, None] - k_pos[..., None, :]  # [b, T, n]
-    return ((diff >= 0) & (diff < window)).unsqueeze(1)
+    visible = torch.ones_like(diff, dtype=torch.bool)
+    if causal:
+        visible &= diff >= 0
+    if window is not None:
+        visible &= diff < window
+        if not causal:
+            visible &= -diff < window
+    return visible.unsqueeze(1)
 
 
 def inference_masks(cfg: DrafterConfig, block_pos: torch.Tensor, n_ctx: int) -> dict[str, torch.Tensor | None]:
-    """Full layers see every context position and the whole block; sliding layers are causal windowed."""
-    if "sliding_attention" not in cfg.layer_types:
-        return {}
+    """Per layer kind: None where every context position and the whole block are visible, else the bool mask."""
     k_pos = torch.cat([torch.arange(n_ctx, device=block_pos.device)[None].expand(block_pos.shape[0], -1), block_pos], 1)
-    return {"sliding_attention": sliding_mask(block_pos, k_pos, cfg.sliding_window)}
+    masks: dict[str, torch.Tensor | None] = {}
+    for kind in set(cfg.layer_types):
+        causal, window = layer_attention(kind, cfg.is_causal, cfg.sliding_window)
+        masks[kind] = visible_keys(block_pos, k_pos, causal, window) if causal or window else None
+    return masks
 
 
 def draft_hidden(drafter: DFlashDrafter, cache: ContextCache, new_features: torch.Tensor,

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import reference
 import torch
 from helpers import MASK_ID, VOCAB, random_drafter, tiny_target
 
@@ -156,8 +157,10 @@ def test_loss_weights_tau_and_chunking():
 # ---------------------------------------------------------------- (b) training forward == inference forward
 
 @pytest.mark.parametrize("over", [{}, {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5},
-                                  {"arch": "dflash2", "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4}],
-                         ids=["full", "sliding", "dflash2"])
+                                  {"arch": "dflash2", "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4},
+                                  {"layer_types": ["sliding_attention"] * 2, "sliding_window": 3, "is_causal": False},
+                                  {"layer_types": ["full_attention"] * 2, "is_causal": True}],
+                         ids=["full", "sliding", "dflash2", "sliding-non-causal", "full-causal"])
 def test_training_forward_matches_draft_block(tiny_llama, over):
     drafter = random_drafter(tiny_llama, block_size=8, **over)  # dflash2: random convolutions must stay in-block
     B, n = 8, 40
@@ -173,6 +176,9 @@ def test_training_forward_matches_draft_block(tiny_llama, over):
             ref = draft_block(drafter, ContextCache(), feats[:, :a], T.embed(tiny_llama)(block)[None], a,
                               T.lm_head(tiny_llama))
             assert torch.allclose(train_logits[j], ref, atol=1e-4, rtol=1e-4), (a, (train_logits[j] - ref).abs().max())
+            naive = reference.drafter_hidden(drafter, feats[0, :a], T.embed(tiny_llama)(block), a)  # explicit loops
+            naive = drafter.logits(naive[1:], T.lm_head(tiny_llama))
+            assert torch.allclose(train_logits[j], naive, atol=1e-4, rtol=1e-4)
     labels = block_labels(ids, anchors, B)
     assert labels[0, 1].tolist() == ids[0, 12:19].tolist()
 

@@ -4,12 +4,16 @@ Layout for one sequence of n positions and anchors a_0 < a_1 < ... (N of them), 
 queries are the N blocks [x_a, M, ..., M] concatenated (T = N * B), at absolute positions a_j + k;
 keys are the n context positions (target features) followed by the same T block positions.
 A query in block j sees context positions c < a_j and every position of block j (both directions),
-never another block. Batches pad anchors to the same N; padded anchors are 0 and marked invalid.
+never another block; each layer then applies its own causality and window (config.layer_attention), exactly as
+inference does. Batches pad anchors to the same N; padded anchors are 0 and marked invalid.
 """
 
 from __future__ import annotations
 
 import torch
+
+from ..config import layer_attention
+from ..drafter import visible_keys
 
 
 def eligible_anchors(loss_mask: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -66,12 +70,12 @@ def key_positions(anchors: torch.Tensor, n_ctx: int, block_size: int) -> torch.T
 
 
 def training_masks(layer_types: list[str], anchors: torch.Tensor, n_ctx: int, block_size: int,
-                   sliding_window: int | None = None) -> dict[str, torch.Tensor]:
-    """Masks per layer kind; sliding layers also need 0 <= q_pos - k_pos < window (causal, windowed)."""
-    full = training_mask(anchors, n_ctx, block_size)
-    masks = {"full_attention": full}
-    if "sliding_attention" in layer_types:
-        q = block_positions(anchors, block_size)
-        diff = q[:, :, None] - key_positions(anchors, n_ctx, block_size)[:, None, :]  # [b, T, n_ctx + T]
-        masks["sliding_attention"] = full & ((diff >= 0) & (diff < sliding_window)).unsqueeze(1)
+                   sliding_window: int | None = None, is_causal: bool | None = None) -> dict[str, torch.Tensor]:
+    """Masks per layer kind: the block layout above, narrowed by the layer's causality and window as at inference."""
+    layout = training_mask(anchors, n_ctx, block_size)
+    q_pos, k_pos = block_positions(anchors, block_size), key_positions(anchors, n_ctx, block_size)
+    masks = {}
+    for kind in {"full_attention", *layer_types}:
+        causal, window = layer_attention(kind, is_causal, sliding_window)
+        masks[kind] = layout & visible_keys(q_pos, k_pos, causal, window) if causal or window else layout
     return masks

@@ -176,7 +176,7 @@ def drafter_hidden(drafter: nn.Module, raw: nn.Module, embed: nn.Module, feats: 
     is_known = (torch.arange(pos.shape[1], device=ids.device) % L < known)[None].expand_as(pos)
     block_ids = torch.where(is_known, ids.gather(1, pos.clamp(max=n - 1)), mask_id)
     emb = embed(block_ids).to(torch.float32)
-    masks = training_masks(cfg.layer_types, anchors, n, L, cfg.sliding_window)
+    masks = training_masks(cfg.layer_types, anchors, n, L, cfg.sliding_window, cfg.is_causal)
     hidden = drafter(emb, pos, ctx, masks, L)
     return hidden.view(b, anchors.shape[1], L, -1)
 
