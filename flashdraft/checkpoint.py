@@ -34,6 +34,21 @@ def build_drafter(cfg: DrafterConfig) -> torch.nn.Module:
     raise FlashdraftError(f"drafter architecture {cfg.arch!r} is not supported by this version of flashdraft")
 
 
+# The official save_pretrained writes the selector codebooks as nn.Embedding weights; released checkpoints, vLLM and
+# SGLang use the bare names, which are what save_drafter writes.
+CODEBOOK_ALIASES = {f"candidate_selector.{side}_codebook.weight": f"candidate_selector.{side}_codebook"
+                    for side in ("predecessor", "successor")}
+
+
+def canonical_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same tensors with `.weight`-suffixed codebooks under their bare names."""
+    out = dict(state)
+    for alias, name in CODEBOOK_ALIASES.items():
+        if alias in out and name not in out:  # a file with both spellings keeps the alias: "unexpected weights"
+            out[name] = out.pop(alias)
+    return out
+
+
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
     """All tensors from every *.safetensors file in a directory."""
     files = sorted(path.glob("*.safetensors"))
@@ -45,7 +60,7 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
             state.update(load_file(str(f)))
         except (SafetensorError, OSError, ValueError) as e:
             raise FlashdraftError(f"{f}: unreadable safetensors file ({e}); re-download or re-export it") from None
-    return {k.removeprefix("model."): v for k, v in state.items()}
+    return canonical_names({k.removeprefix("model."): v for k, v in state.items()})
 
 
 def load_drafter(path: str | Path, dtype: str | torch.dtype | None = None, device: str = "cpu") -> torch.nn.Module:

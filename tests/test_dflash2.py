@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from flashdraft.checkpoint import load_drafter, save_drafter
 from flashdraft.decode import generate_ids
@@ -59,6 +59,30 @@ def test_official_dflash2_file_loads_and_is_lossless(tmp_path):
     assert {"conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"} <= set(raw["dflash_config"])
     again = load_drafter(tmp_path / "again")
     assert all(torch.equal(a, b) for a, b in zip(drafter.state_dict().values(), again.state_dict().values()))
+
+
+def test_weight_suffixed_codebooks_load_decode_and_round_trip(tmp_path):
+    """The official save_pretrained spelling (`...codebook.weight`) loads like the released one and saves bare."""
+    cfg, w = official_dflash2()
+    suffixed = {(k + ".weight" if k.endswith("_codebook") else k): v for k, v in w.items()}
+    assert "candidate_selector.successor_codebook.weight" in suffixed
+    a = load_drafter(write(tmp_path / "bare", cfg, w), dtype="float32")
+    b = load_drafter(write(tmp_path / "suffixed", cfg, suffixed), dtype="float32")
+    assert torch.equal(b.candidate_selector.predecessor_codebook, w["candidate_selector.predecessor_codebook"].float())
+    assert torch.equal(b.candidate_selector.successor_codebook, w["candidate_selector.successor_codebook"].float())
+    target = tiny_target("qwen3")
+    prompt = list(range(3, 23))
+    ra, rb = (generate_ids(target, d, prompt, block_size=8, max_new_tokens=30) for d in (a, b))
+    assert rb.output_ids == ra.output_ids == hf_greedy(target, prompt, 30)
+    assert [c.block for c in rb.cycles] == [c.block for c in ra.cycles]
+    save_drafter(b, tmp_path / "again")
+    names = set(load_file(str(tmp_path / "again" / "model.safetensors")))
+    assert names == set(w)  # written with the bare names that vLLM and SGLang read
+    again = load_drafter(tmp_path / "again")
+    assert all(torch.equal(x, y) for x, y in zip(b.state_dict().values(), again.state_dict().values()))
+    both = suffixed | {"candidate_selector.successor_codebook": w["candidate_selector.successor_codebook"].clone()}
+    with pytest.raises(FlashdraftError, match="unexpected weights"):
+        load_drafter(write(tmp_path / "both", cfg, both))
 
 
 def test_dflash2_missing_weights_error(tmp_path):
