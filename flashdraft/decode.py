@@ -26,6 +26,7 @@ class DecodeState:
     tokens: list[int]  # prompt + emitted; the last one is the next anchor (not yet in the target cache)
     num_prompt_tokens: int
     target_cache: DynamicCache
+    end: int  # positions < end may be verified: prompt + max_new_tokens, capped by the context (official max_length)
     draft_cache: ContextCache = field(default_factory=ContextCache)
     pending_features: torch.Tensor | None = None  # [n, F] committed positions not yet in draft_cache
 
@@ -99,7 +100,7 @@ class GenerationResult:
 
 
 # propose(state, start, b) -> (drafts [k], q [k, V] or None at temperature 0); k is usually b-1 (one stage), and
-# DLoop proposes whole multiples of b-1 (one per stage). The decode loop verifies any k that fits the context.
+# DLoop proposes whole multiples of b-1 (one per stage). The decode loop verifies any k with start + 1 + k <= state.end.
 Proposer = Callable[[DecodeState, int, int], tuple[torch.Tensor, torch.Tensor | None]]
 
 # stage(cache, new_features [1, n, F], inputs, start, n) -> (drafts [n], q [n, V] or None, raw drafter logits [n, V])
@@ -176,15 +177,14 @@ def decode(model: PreTrainedModel, prompt_ids: list[int], *, block_size: int, ma
     timing = timing if timing is not None else Timing()
     dev = model.device
     gen = torch.Generator(device=dev).manual_seed(seed)
-    limit = T.context_limit(model)
-    room = min(max_new_tokens, limit - len(prompt_ids))
+    room = min(max_new_tokens, T.context_limit(model) - len(prompt_ids))
     stop = set(stop_token_ids)
 
     def pick(logits: torch.Tensor) -> int:
         return int(logits.argmax(-1)) if params.greedy else int(sample(process(logits, params), gen))
 
     t0 = _now(dev)
-    state = DecodeState(list(prompt_ids), len(prompt_ids), T.new_cache(model))
+    state = DecodeState(list(prompt_ids), len(prompt_ids), T.new_cache(model), len(prompt_ids) + room)
     out = T.forward(model, torch.tensor(prompt_ids, device=dev), 0, state.target_cache, layer_ids, logits_to_keep=1)
     first = pick(out.logits[-1])
     if layer_ids:
@@ -193,25 +193,24 @@ def decode(model: PreTrainedModel, prompt_ids: list[int], *, block_size: int, ma
     timing.prefill_s = _now(dev) - t0
     new, stopped = _truncate([first], stop, room)
     room -= len(new)
-    produced = 1  # tokens produced so far, including any cut off by the length limit
     if state_hook:
         state_hook(state)
     yield Cycle([], 0, new)
 
-    # Like the reference implementation, cycle while the anchor lies inside max_new_tokens (produced <= max_new):
-    # a generation that lands exactly on the limit verifies its last token once more, emitting nothing, so
-    # per-cycle records match the reference's.
-    while not stopped and (room > 0 or produced == max_new_tokens):
+    # As the official loop: cycle while tokens are still owed, and verify at most as many positions as could still
+    # be emitted (verify_size = min(block_size, max_length - start)), so the last blocks shrink instead of verifying
+    # tokens that would be cut off.
+    while not stopped and room > 0:
         start = state.committed  # position of the anchor
-        b = min(block_size, limit - start)
+        b = min(block_size, state.end - start)
         t1 = _now(dev)
         if b > 1:
             drafts, q = propose(state, start, b)
         else:
             drafts, q = torch.zeros(0, dtype=torch.long, device=dev), None
         t2 = _now(dev)
-        if start + 1 + len(drafts) > limit:
-            raise RuntimeError(f"the proposer drafted {len(drafts)} tokens at position {start}, past the context {limit}")
+        if start + 1 + len(drafts) > state.end:
+            raise RuntimeError(f"the proposer drafted {len(drafts)} tokens at {start}, past the end {state.end}")
         block = torch.cat([torch.tensor([state.tokens[-1]], device=dev), drafts])
         out = T.forward(model, block, start, state.target_cache, layer_ids)
         t3 = _now(dev)
@@ -220,7 +219,6 @@ def decode(model: PreTrainedModel, prompt_ids: list[int], *, block_size: int, ma
         else:
             n_acc, nxt = accept_sampling(drafts, q if q is not None else out.logits[:0], process(out.logits, params), gen)
         new, stopped = _truncate(drafts[:n_acc].tolist() + [nxt], stop, room)
-        produced += n_acc + 1
         # commit the anchor and the drafts that were emitted; the last emitted token is the next anchor
         T.rollback_to(state.target_cache, start + len(new))
         if layer_ids:

@@ -7,8 +7,10 @@ the whole extended block, so later stages condition on the proposed, still unver
 inputs: no new weights, the checkpoint format is unchanged. Stage 1 is exactly plain DFlash.
 
 After stage s the gate statistic Σ_k log q_k(d_k) over that stage's drafts (q: the distribution each draft came
-from) decides: another stage runs only if s < S, the statistic > gate, and the longer block still fits the target's
-context. The target then verifies anchor + all drafts in one forward pass with the usual rules (decode.py).
+from) decides: another stage runs only if s < S, the statistic > gate, and the longer block still ends before the
+decode loop's end (the prompt plus max_new_tokens, capped by the target's context): like the last blocks of plain
+DFlash, no position is verified whose token could not be emitted. The target then verifies anchor + all drafts in one
+forward pass with the usual rules (decode.py).
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import math
 import torch
 from transformers import PreTrainedModel
 
-from . import target as T
 from .decode import DecodeState, Proposer, stage_drafter
 from .errors import FlashdraftError
 from .sampling import SamplingParams
@@ -39,9 +40,9 @@ def stage_confidence(drafts: torch.Tensor, q: torch.Tensor | None, logits: torch
     return float(logq.sum())
 
 
-def fits(start: int, stages: int, n: int, limit: int) -> bool:
-    """Whether anchor + stages·n drafts at positions start.. stay inside the target's context."""
-    return start + 1 + stages * n <= limit
+def fits(start: int, stages: int, n: int, end: int) -> bool:
+    """Whether anchor + stages·n drafts at positions start.. stay before `end` (the decode loop's verify limit)."""
+    return start + 1 + stages * n <= end
 
 
 def looped_proposer(model: PreTrainedModel, drafter: torch.nn.Module, params: SamplingParams,
@@ -49,7 +50,6 @@ def looped_proposer(model: PreTrainedModel, drafter: torch.nn.Module, params: Sa
     """Up to `stages` drafting stages of b-1 tokens per cycle, each continuing from the drafts before it."""
     check_loop(stages, gate)
     draft = stage_drafter(model, drafter, params, gen)
-    limit = T.context_limit(model)
 
     def propose(state: DecodeState, start: int, b: int):
         n = b - 1
@@ -62,7 +62,7 @@ def looped_proposer(model: PreTrainedModel, drafter: torch.nn.Module, params: Sa
             # Lossless at T > 0: whether stage s+1 exists depends only on tokens already drafted (a stopping time
             # of the draft sequence), never on the target, and each draft keeps the q it was sampled from given
             # its prefix; verification of any position is therefore unchanged by how many positions follow it.
-            if s == stages or not fits(start, s + 1, n, limit) or not stage_confidence(d, q, logits) > gate:
+            if s == stages or not fits(start, s + 1, n, state.end) or not stage_confidence(d, q, logits) > gate:
                 break
             inputs += d.tolist()
         q_all = None if qs[0] is None else torch.cat(qs)

@@ -77,16 +77,17 @@ def test_full_block_acceptance_reports_accepted_counts(pair):
     res = generate_ids(target, None, prompt, block_size=8, max_new_tokens=33,
                        propose=oracle_proposer(ref, 0.0, seed=0, vocab=target.config.vocab_size))
     assert res.output_ids == ref
-    # 1 (prefill) + 4 cycles x 8 tokens = 33; landing exactly on the limit, the reference loop verifies the
-    # last token once more (emitting nothing), and so do we, to keep per-cycle records identical
-    assert [c.accepted for c in res.cycles[:4]] == [7, 7, 7, 7] and len(res.cycles) == 5
-    assert res.acceptance_lengths[:4] == [8, 8, 8, 8]
-    for c in res.cycles[:4]:
+    # 1 (prefill) + 4 cycles x 8 tokens = 33: as in the official loop, no cycle runs once every token owed is emitted
+    assert [c.accepted for c in res.cycles] == [7, 7, 7, 7] and res.acceptance_lengths == [8, 8, 8, 8]
+    for c in res.cycles:
         assert len(c.block) == 8 and c.emitted == c.block[1:] + [c.emitted[-1]]
-    assert res.cycles[4].emitted == [] and res.cycles[4].block[0] == ref[-1]
     res = generate_ids(target, None, prompt, block_size=8, max_new_tokens=30,
                        propose=oracle_proposer(ref, 0.0, seed=0, vocab=target.config.vocab_size))
-    assert res.output_ids == ref[:30] and len(res.cycles) == 4  # overshooting the limit needs no extra cycle
+    assert res.output_ids == ref[:30]
+    # 29 tokens owed after the prefill: three full blocks, then verify_size = min(8, 5 + 1): the anchor and the
+    # 5 drafts still owed; all are kept and the target's bonus token is not emitted
+    assert [len(c.block) for c in res.cycles] == [8, 8, 8, 6]
+    assert res.cycles[-1].accepted == 5 and res.cycles[-1].emitted == res.cycles[-1].block[1:]
 
 
 def test_context_limit_stops_like_the_target():
