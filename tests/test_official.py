@@ -142,3 +142,33 @@ def test_shipped_drafters_are_unaffected(name):
     masks = inference_masks(cfg, torch.arange(40, 56)[None], 40)
     assert masks == {FULL: None}
     assert all(sees(q, k, FULL, cfg.is_causal, None) for q in range(40, 56) for k in range(56))
+
+
+def test_cli_replays_an_official_style_dflash2_checkpoint(tmp_path, capsys):
+    """The fixture scenario end to end: 2 non-causal sliding layers, convolutions, selector, `.weight` codebooks,
+    replayed by `flashdraft generate ... --block-size 8 --max-new-tokens 48 --temperature 0 --dtype float32 --json`."""
+    from safetensors.torch import load_file, save_file
+
+    from flashdraft.checkpoint import save_drafter
+    from flashdraft.cli import main
+    from helpers import save_tiny_model_dir
+
+    target = save_tiny_model_dir(tmp_path / "target", kind="qwen3")
+    drafter = drafter_with(target, [SLIDING, SLIDING], False, dflash2=True, seed=4)
+    save_drafter(drafter, tmp_path / "drafter")
+    weights = tmp_path / "drafter" / "model.safetensors"
+    state = load_file(str(weights))
+    save_file({(k + ".weight" if k.endswith("_codebook") else k): v for k, v in state.items()}, str(weights))
+    raw = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    assert raw["is_causal"] is False and raw["layer_types"] == [SLIDING, SLIDING]
+    prompt = [5, 9, 11, 40, 3, 17, 60]
+    code = main(["generate", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
+                 "--prompt-ids", ",".join(map(str, prompt)), "--block-size", "8", "--max-new-tokens", "48",
+                 "--temperature", "0", "--dtype", "float32", "--json"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    rec = json.loads(out.out)
+    want, blocks = official_greedy(target, drafter, prompt, 8, 48)
+    assert rec["output_ids"] == want
+    assert [c["block"] for c in rec["cycles"]] == blocks
+    assert [len(b) for b in blocks][-4:] == [5, 4, 3, 2]  # the last blocks verify only the tokens still owed
