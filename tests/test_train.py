@@ -266,6 +266,50 @@ def test_prepare_features_adds_to_an_existing_set(tiny_dir, prompts_file, data_d
         prepare(target, prompts, out, max_new_tokens=40, shard_size=10, feature_layer_ids=[1], progress=False)
 
 
+def test_continuous_and_static_batching_store_the_same_data(tiny_dir, prompts_file, data_dir, tmp_path):
+    """The continuous batcher (the default) stores what model.generate + a full forward store: same tokens, features
+    and top-k distributions (each row: the distribution that produced the token)."""
+    from safetensors.torch import load_file
+
+    target = load_target(str(tiny_dir))
+    prompts = read_jsonl_prompts(prompts_file)
+    for mode in ("continuous", "static"):
+        prepare(target, prompts, tmp_path / mode, max_new_tokens=40, batch_size=3, shard_size=10,
+                feature_layer_ids=[2], topk=5, batching=mode, progress=False)
+    cont, stat = (load_sequences(tmp_path / m, features=True, topk=True) for m in ("continuous", "static"))
+    ref = load_sequences(data_dir, features=True)
+    assert [s.input_ids.tolist() for s in cont] == [s.input_ids.tolist() for s in stat] == \
+        [s.input_ids.tolist() for s in ref]
+    for c, st in zip(cont, stat):
+        assert torch.allclose(c.features.float(), st.features.float(), atol=0.05, rtol=0.02)
+        resp = c.loss_mask
+        assert torch.equal(c.topk_ids[resp][:, 0], st.topk_ids[resp][:, 0])
+        assert torch.equal(c.topk_ids[resp][:, 0].long(), c.input_ids[resp])  # greedy: the top-1 is the token
+        assert torch.allclose(c.topk_logprobs[resp].float(), st.topk_logprobs[resp].float(), atol=1e-2)
+        assert not c.topk_ids[~resp].any() and (c.topk_logprobs[resp] <= 0).all()
+    assert set(load_file(str(tmp_path / "static" / "shard_00000" / "topk.safetensors"))) == {"ids", "logprobs"}
+    with pytest.raises(FlashdraftError, match="no stored top-k"):
+        load_sequences(data_dir, topk=True)
+
+
+def test_dev_split_and_parts(tiny_dir, prompts_file, tmp_path):
+    from flashdraft.train.data import split_dev
+
+    prompts = read_jsonl_prompts(prompts_file)
+    train, dev = split_dev(prompts, 30.0)
+    assert 0 < len(dev) < len(prompts) and sorted(train + dev) == sorted(prompts)
+    assert split_dev(prompts[::-1], 30.0)[1] == dev[::-1]  # chosen by content, not position
+    target = load_target(str(tiny_dir))
+    out = tmp_path / "parts"
+    for i in (1, 0):  # two processes filling one directory: each makes its own shards
+        prepare(target, train, out, max_new_tokens=8, batch_size=4, shard_size=5, part=(i, 2), dev=dev,
+                progress=False)
+        made = sorted(int(p.name[-5:]) for p in out.glob("shard_*"))
+        assert made == ([1, 3] if i == 1 else list(range(len(made))))
+    assert len(load_sequences(out)) == len(train)
+    assert [json.loads(x)["turns"][0] for x in (out / "dev.jsonl").read_text().splitlines()] == dev
+
+
 def test_dataset_prompts_and_record_shapes(monkeypatch):
     import types
 

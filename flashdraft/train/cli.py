@@ -49,7 +49,10 @@ def add_prepare(sub) -> None:
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--batch-size", type=int, default=16, help="prompts per model.generate call")
+    p.add_argument("--batch-size", type=int, default=64, help="prompts in flight at once")
+    p.add_argument("--batching", choices=["continuous", "static"], default="continuous",
+                   help="continuous: a finished row takes the next prompt at once (default); static: model.generate "
+                        "on length-sorted batches (used anyway for targets with sliding-window layers)")
     p.add_argument("--shard-size", type=int, default=256, help="prompts per shard (the unit of resumption)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-chat", action="store_true", help="tokenize prompts as raw text, no chat template")
@@ -57,6 +60,13 @@ def add_prepare(sub) -> None:
     p.add_argument("--feature-layer-ids", help="comma-separated target layer ids for --features "
                    "(default: the drafter default for --num-layers)")
     p.add_argument("--num-layers", type=int, default=2, help="drafter layers the default feature layer ids are for")
+    p.add_argument("--dev-percent", type=float, default=1.0,
+                   help="hold out this %% of prompts (chosen by hash, stable across runs) as OUT/dev.jsonl: never "
+                        "generated or trained on, used by `train --dev-prompts` to select checkpoints by real τ")
+    p.add_argument("--part", default="0/1", metavar="I/N",
+                   help="make only shards with index %% N == I, so N processes can fill one directory together")
+    p.add_argument("--topk", type=int, default=0, metavar="K",
+                   help="also store the target's K most likely tokens and log-probs per response token (distillation)")
     p.add_argument("--threads", type=int, help="torch CPU threads (1 is fastest on a shared, busy machine)")
     p.set_defaults(func=cmd_prepare)
 
@@ -66,7 +76,7 @@ def cmd_prepare(args) -> int:
 
     from ..config import default_target_layer_ids
     from ..models import load_target
-    from .data import human_bytes, interleave, prepare, read_dataset_prompts, read_jsonl_prompts
+    from .data import human_bytes, interleave, prepare, read_dataset_prompts, read_jsonl_prompts, split_dev
 
     set_threads(args.threads)
     if not args.prompts and not args.dataset:
@@ -81,15 +91,25 @@ def cmd_prepare(args) -> int:
     if args.dataset:
         lists.append(read_dataset_prompts(args.dataset, args.dataset_split, args.dataset_config))
         sources.append(f"datasets:{args.dataset}:{args.dataset_split}")
-    prompts = interleave(lists)[: args.max_samples]
+    if not 0 <= args.dev_percent < 100:
+        raise FlashdraftError(f"--dev-percent must be in [0, 100), got {args.dev_percent}")
+    try:
+        part = tuple(int(x) for x in args.part.split("/"))
+        assert len(part) == 2 and 0 <= part[0] < part[1]
+    except (ValueError, AssertionError):
+        raise FlashdraftError(f"--part must be I/N with 0 <= I < N, got {args.part!r}") from None
+    prompts, dev = split_dev(interleave(lists), args.dev_percent)
+    prompts = prompts[: args.max_samples]
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     target = load_target(args.target, dtype=args.dtype, device=device)
     if args.features and layer_ids is None:
         layer_ids = default_target_layer_ids(target.model.config.get_text_config().num_hidden_layers, args.num_layers)
-    print(f"flashdraft: {len(prompts)} prompts from {len(sources)} source(s) → {args.out}", file=sys.stderr)
+    print(f"flashdraft: {len(prompts)} prompts from {len(sources)} source(s) → {args.out}"
+          f"{f' ({len(dev)} held out in dev.jsonl)' if dev else ''}", file=sys.stderr)
     s = prepare(target, prompts, args.out, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                 batch_size=args.batch_size, shard_size=args.shard_size, seed=args.seed,
-                feature_layer_ids=layer_ids if args.features else None, chat=not args.no_chat, sources=sources)
+                feature_layer_ids=layer_ids if args.features else None, chat=not args.no_chat, sources=sources,
+                topk=args.topk, batching=args.batching, part=part, dev=dev)
     rate = (f", {s['tokens_per_s']:.1f} generated tok/s over {s['seconds']:.0f} s this run"
             if s["generated_tokens_this_run"] else "")
     print(f"flashdraft: {s['sequences']} sequences ({s['unfinished']} cut at --max-new-tokens), {s['tokens']} tokens "

@@ -11,6 +11,9 @@ prompt hash matches the prompts it would get now, so a run can be resumed or ext
         finished   uint8 [S]         1 if the response ended with a stop token (0: cut at max_new_tokens)
     OUT/shard_00000/features.safetensors   (only with --features)
         features   bfloat16 [N, len(layer_ids) * hidden]   hidden_states[i + 1] for i in layer_ids, per position
+    OUT/shard_00000/topk.safetensors       (only with --topk K: the target's distribution, for distillation)
+        ids        int32 [N, K]       row t: the K most likely tokens of the distribution that produced token t
+        logprobs   float16 [N, K]     their log-probabilities (not renormalised); rows outside loss_mask are 0
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ class Sequence:
     loss_mask: torch.Tensor
     features: torch.Tensor | None = None
     finished: bool = True  # False when the response hit max_new_tokens before a stop token
+    topk_ids: torch.Tensor | None = None  # [n, K] int32; row t is the target's top-K for predicting token t
+    topk_logprobs: torch.Tensor | None = None  # [n, K] float16
 
 
 # ---------------------------------------------------------------- prompts
@@ -85,6 +90,23 @@ def read_dataset_prompts(name: str, split: str = "train", config: str | None = N
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise FlashdraftError(f"could not load dataset {name!r} split {split!r}: {first}") from None
     return [p for i, rec in enumerate(ds) if (p := prompt_of(rec, f"{name}[{i}]")).strip()]
+
+
+def in_dev_split(prompt: str, percent: float) -> bool:
+    """A fixed, order-independent hold-out: the prompt's hash decides, so adding sources never moves a prompt."""
+    return int(hashlib.sha256(prompt.encode()).hexdigest()[:8], 16) % 10_000 < percent * 100
+
+
+def split_dev(prompts: list[str], percent: float) -> tuple[list[str], list[str]]:
+    """(training prompts, dev prompts): the dev split is never generated or trained on; it is for measuring τ."""
+    dev = [p for p in prompts if in_dev_split(p, percent)]
+    return [p for p in prompts if not in_dev_split(p, percent)], dev
+
+
+def write_dev(out_dir: str | Path, dev: list[str]) -> None:
+    """OUT/dev.jsonl: the held-out prompts as {"turns": [prompt]} records."""
+    write_text(Path(out_dir) / "dev.jsonl", "".join(json.dumps({"id": f"dev-{i}", "turns": [p]}) + "\n"
+                                                   for i, p in enumerate(dev)))
 
 
 def interleave(lists: list[list[str]]) -> list[str]:
@@ -144,11 +166,75 @@ def generate_responses(model, prompts: list[list[int]], *, max_new_tokens: int, 
 @torch.inference_mode()
 def target_features(model, seqs: list[torch.Tensor], layer_ids: list[int]) -> list[torch.Tensor]:
     """Selected-layer hidden states per position, one [n_i, len(layer_ids) * hidden] tensor per sequence."""
+    return [f for f, _ in target_passes(model, seqs, layer_ids, 0)]
+
+
+@torch.inference_mode()
+def target_passes(model, seqs: list[torch.Tensor], layer_ids: list[int] | None, topk: int):
+    """One full forward per batch: (features [n_i, F] or None, (top-k ids, log-probs) [n_i, K] or None) per sequence.
+
+    Top-k row t is the distribution that predicted token t (row 0 is zero).
+    """
     ids, mask = right_pad(seqs)
     dev = next(model.parameters()).device
-    out = model(input_ids=ids.to(dev), attention_mask=mask.to(dev), output_hidden_states=True, logits_to_keep=1)
-    feats = torch.cat([out.hidden_states[i + 1] for i in layer_ids], -1)  # [b, L, F]
-    return [feats[i, : len(s)].to(torch.bfloat16).cpu() for i, s in enumerate(seqs)]
+    out = model(input_ids=ids.to(dev), attention_mask=mask.to(dev), output_hidden_states=bool(layer_ids),
+                logits_to_keep=0 if topk else 1)
+    feats = torch.cat([out.hidden_states[i + 1] for i in layer_ids], -1) if layer_ids else None  # [b, L, F]
+    res = []
+    for i, s in enumerate(seqs):
+        f = feats[i, : len(s)].to(torch.bfloat16).cpu() if feats is not None else None
+        tk = None
+        if topk:
+            vals, idx = torch.log_softmax(out.logits[i, : len(s) - 1].float(), -1).topk(topk, -1)
+            tk = (torch.cat([idx.new_zeros(1, topk), idx]).to(torch.int32).cpu(),
+                  torch.cat([vals.new_zeros(1, topk), vals.clamp_min(-60)]).to(torch.float16).cpu())
+        res.append((f, tk))
+    return res
+
+
+def full_attention_only(model) -> bool:
+    """Whether every layer attends to the whole past (the slot cache of continuous batching assumes it)."""
+    types = getattr(model.config.get_text_config(), "layer_types", None) or []
+    return all(t == "full_attention" for t in types)
+
+
+def answer_continuous(model, enc: list[list[int]], *, rows: int, max_new_tokens: int, temperature: float,
+                      stop_ids: list[int], pad_id: int, seed: int, layer_ids: list[int] | None, topk: int):
+    """Answers in completion order from the continuous batcher."""
+    from .batcher import Batcher
+
+    b = Batcher(model, rows=rows, max_prompt=max(map(len, enc)), max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+                pad_id=pad_id, temperature=temperature, seed=seed, layer_ids=layer_ids, topk=topk)
+    yield from b.run(enc)
+
+
+def answer_static(model, enc: list[list[int]], *, rows: int, max_new_tokens: int, temperature: float,
+                  stop_ids: list[int], pad_id: int, seed: int, layer_ids: list[int] | None, topk: int):
+    """Answers from `model.generate` on length-sorted batches, then one full forward for features and top-k."""
+    from .batcher import Answer
+
+    order = sorted(range(len(enc)), key=lambda j: len(enc[j]))  # similar lengths share a batch: less padding
+    for b0 in range(0, len(order), rows):
+        idx = order[b0:b0 + rows]
+        resps = generate_responses(model, [enc[j] for j in idx], max_new_tokens=max_new_tokens,
+                                   temperature=temperature, stop_ids=stop_ids, pad_id=pad_id, seed=seed + b0)
+        full = [torch.tensor(enc[j] + r, dtype=torch.long) for j, (r, _) in zip(idx, resps)]
+        extra = target_passes(model, full, layer_ids, topk) if layer_ids or topk else [(None, None)] * len(full)
+        for j, (r, fin), ids, (f, tk) in zip(idx, resps, full, extra):
+            yield Answer(j, ids.tolist(), len(enc[j]), fin, f, *(t[len(enc[j]):] for t in tk) if tk else (None, None))
+
+
+def sequence_of(a) -> Sequence:
+    """A stored training sequence from a batcher Answer (top-k rows aligned to tokens, zero on the prompt)."""
+    ids = torch.tensor(a.ids, dtype=torch.long)
+    lm = torch.zeros(len(ids), dtype=torch.bool)
+    lm[a.prompt_len:] = True
+    tk_ids = tk_lp = None
+    if a.topk_ids is not None:
+        k = a.topk_ids.shape[-1]
+        tk_ids = torch.cat([torch.zeros(a.prompt_len, k, dtype=torch.int32), a.topk_ids])
+        tk_lp = torch.cat([torch.zeros(a.prompt_len, k, dtype=torch.float16), a.topk_logprobs])
+    return Sequence(ids, lm, a.features, a.finished, tk_ids, tk_lp)
 
 
 # ---------------------------------------------------------------- shards
@@ -184,23 +270,30 @@ def write_shard(path: Path, seqs: list[Sequence], prompts: list[str] | None = No
     with atomic_dir(path) as tmp:
         if all(s.features is not None for s in seqs):
             save_file({"features": torch.cat([s.features for s in seqs]).contiguous()}, str(tmp / "features.safetensors"))
+        if all(s.topk_ids is not None for s in seqs):
+            save_file({"ids": torch.cat([s.topk_ids for s in seqs]).contiguous(),
+                       "logprobs": torch.cat([s.topk_logprobs for s in seqs]).contiguous()}, str(tmp / "topk.safetensors"))
         meta = {"format": FORMAT, **({"prompts_sha256": prompts_hash(prompts)} if prompts is not None else {})}
         save_file(tokens, str(tmp / "tokens.safetensors"), metadata=meta)
 
 
-def read_shard(path: Path, features: bool = False) -> list[Sequence]:
-    """Sequences of one shard directory (features only when asked for)."""
+def read_shard(path: Path, features: bool = False, topk: bool = False) -> list[Sequence]:
+    """Sequences of one shard directory (features and top-k only when asked for)."""
     try:
         tok = load_file(str(path / "tokens.safetensors"))
         feats = load_file(str(path / "features.safetensors"))["features"] if features else None
+        tk = load_file(str(path / "topk.safetensors")) if topk else None
     except FileNotFoundError as e:
-        raise FlashdraftError(f"{path}: missing {Path(e.filename or '').name or 'file'}; "
-                              f"{'re-run prepare with --features' if features else 're-run flashdraft prepare'}") from None
+        name = Path(e.filename or "").name or "file"
+        fix = {"features.safetensors": "re-run prepare with --features", "topk.safetensors": "re-run prepare with --topk"}
+        raise FlashdraftError(f"{path}: missing {name}; {fix.get(name, 're-run flashdraft prepare')}") from None
     except (SafetensorError, OSError, KeyError) as e:
         raise FlashdraftError(f"{path}: unreadable shard ({e}); delete it and re-run flashdraft prepare") from None
     off, fin = tok["offsets"].tolist(), tok["finished"].tolist()
     return [Sequence(tok["input_ids"][a:b].long(), tok["loss_mask"][a:b].bool(),
-                     feats[a:b] if feats is not None else None, bool(f)) for a, b, f in zip(off[:-1], off[1:], fin)]
+                     feats[a:b] if feats is not None else None, bool(f),
+                     tk["ids"][a:b] if tk else None, tk["logprobs"][a:b] if tk else None)
+            for a, b, f in zip(off[:-1], off[1:], fin)]
 
 
 def read_meta(data_dir: str | Path) -> dict:
@@ -217,15 +310,17 @@ def read_meta(data_dir: str | Path) -> dict:
     return meta
 
 
-def load_sequences(data_dir: str | Path, features: bool = False) -> list[Sequence]:
+def load_sequences(data_dir: str | Path, features: bool = False, topk: bool = False) -> list[Sequence]:
     """Every finished shard's sequences, in shard order."""
     data_dir = Path(data_dir)
     meta = read_meta(data_dir)
     if features and not meta.get("feature_layer_ids"):
         raise FlashdraftError(f"{data_dir} has no stored features; re-run prepare with --features or train online")
+    if topk and not meta.get("topk"):
+        raise FlashdraftError(f"{data_dir} has no stored top-k distributions; re-run prepare with --topk K")
     n_shards = math.ceil(meta["num_prompts"] / meta["shard_size"])  # shards past it are from a larger earlier run
     shards = [shard_dir(data_dir, i) for i in range(n_shards) if (shard_dir(data_dir, i) / "tokens.safetensors").is_file()]
-    seqs = [s for p in shards for s in read_shard(p, features)]
+    seqs = [s for p in shards for s in read_shard(p, features, topk)]
     if not seqs:
         raise FlashdraftError(f"{data_dir} holds no finished shards yet; wait for flashdraft prepare or re-run it")
     return seqs
@@ -245,8 +340,16 @@ def human_bytes(n: float) -> str:
 
 def prepare(target, prompts: list[str], out_dir: str | Path, *, max_new_tokens: int = 256, temperature: float = 0.0,
             batch_size: int = 16, shard_size: int = 256, seed: int = 0, feature_layer_ids: list[int] | None = None,
-            chat: bool = True, sources: list[str] | None = None, progress: bool = True) -> dict:
-    """Generate target responses for prompts into sharded token files under out_dir; returns a summary dict."""
+            chat: bool = True, sources: list[str] | None = None, progress: bool = True, topk: int = 0,
+            batching: str = "continuous", part: tuple[int, int] = (0, 1),
+            dev: list[str] | None = None) -> dict:
+    """Generate target responses for prompts into sharded token files under out_dir; returns a summary dict.
+
+    batch_size is the number of prompts in flight; `continuous` batching refills finished rows at once, `static`
+    is `model.generate` on length-sorted batches (the fallback for targets with sliding-window layers).
+    part=(i, n) makes only shards with index % n == i, so n processes can share one output directory.
+    dev: held-out prompts written to OUT/dev.jsonl (see split_dev).
+    """
     from tqdm import tqdm
 
     if not prompts:
@@ -257,7 +360,11 @@ def prepare(target, prompts: list[str], out_dir: str | Path, *, max_new_tokens: 
         raise FlashdraftError(f"--batch-size and --shard-size must be >= 1, got {batch_size} and {shard_size}")
     if temperature < 0:
         raise FlashdraftError(f"--temperature must be >= 0, got {temperature}")
+    if topk < 0:
+        raise FlashdraftError(f"--topk must be >= 0, got {topk}")
     model, tok = target.model, target.tokenizer
+    if batching == "continuous" and not full_attention_only(model):
+        batching = "static"
     n_layers = model.config.get_text_config().num_hidden_layers
     if feature_layer_ids is not None:
         bad = [i for i in feature_layer_ids if not 0 <= i < n_layers]
@@ -266,11 +373,11 @@ def prepare(target, prompts: list[str], out_dir: str | Path, *, max_new_tokens: 
     out = Path(out_dir)
     meta = {"format": FORMAT, "target": target.name, "num_prompts": len(prompts), "shard_size": shard_size,
             "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed, "chat": chat,
-            "feature_layer_ids": feature_layer_ids, "sources": sources or [],
+            "feature_layer_ids": feature_layer_ids, "topk": topk, "sources": sources or [],
             "dtype": str(next(model.parameters()).dtype).replace("torch.", "")}
     if (out / "meta.json").is_file():
         old = read_meta(out)
-        diff = [k for k in meta if k not in ("sources", "dtype", "num_prompts") and old.get(k) != meta[k]]
+        diff = [k for k in meta if k not in ("sources", "dtype", "num_prompts") and old.get(k, 0 if k == "topk" else None) != meta[k]]
         if diff == ["feature_layer_ids"] and old.get("feature_layer_ids") is None:
             diff = []  # --features on a set prepared without: add features to the finished shards below
         if diff:
@@ -279,38 +386,33 @@ def prepare(target, prompts: list[str], out_dir: str | Path, *, max_new_tokens: 
     elif out.exists() and any(out.iterdir()):
         raise FlashdraftError(f"{out} exists and is not a prepared data directory; choose an empty or new directory")
     write_text(out / "meta.json", json.dumps(meta, indent=2) + "\n")
+    if dev:
+        write_dev(out, dev)
 
     stop_ids = target.stop_token_ids()
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else (stop_ids[0] if stop_ids else 0)
     n_shards = math.ceil(len(prompts) / shard_size)
-    todo = [i for i in range(n_shards) if not shard_done(shard_dir(out, i), prompts[i * shard_size:(i + 1) * shard_size])]
-    done_prompts = len(prompts) - sum(len(prompts[i * shard_size:(i + 1) * shard_size]) for i in todo)
+    todo = [i for i in range(n_shards) if i % part[1] == part[0] and not shard_done(shard_dir(out, i), prompts[i * shard_size:(i + 1) * shard_size])]
+    mine = sum(len(prompts[i * shard_size:(i + 1) * shard_size]) for i in range(n_shards) if i % part[1] == part[0])
+    done_prompts = mine - sum(len(prompts[i * shard_size:(i + 1) * shard_size]) for i in todo)
     if feature_layer_ids:
         add_features(model, out, [i for i in range(n_shards) if i not in todo], prompts, shard_size,
                      feature_layer_ids, batch_size, progress)
-    bar = tqdm(total=len(prompts), initial=done_prompts, unit="seq", disable=not progress, dynamic_ncols=True,
+    bar = tqdm(total=mine, initial=done_prompts, unit="seq", disable=not progress, dynamic_ncols=True,
                desc="prepare", smoothing=0.05)
     new_tokens, t0 = 0, time.perf_counter()
+    answer = answer_static if batching == "static" else answer_continuous
     for i in todo:
         chunk = prompts[i * shard_size:(i + 1) * shard_size]
         enc = [target.encode(p, chat=chat) for p in chunk]
-        order = sorted(range(len(enc)), key=lambda j: len(enc[j]))  # similar lengths share a batch: less padding
         seqs: list[Sequence | None] = [None] * len(enc)
-        for b0 in range(0, len(order), batch_size):
-            idx = order[b0:b0 + batch_size]
-            resps = generate_responses(model, [enc[j] for j in idx], max_new_tokens=max_new_tokens,
-                                       temperature=temperature, stop_ids=stop_ids, pad_id=pad_id,
-                                       seed=seed * 1_000_003 + i * 1009 + b0)
-            full = [torch.tensor(enc[j] + r, dtype=torch.long) for j, (r, _) in zip(idx, resps)]
-            feats = target_features(model, full, feature_layer_ids) if feature_layer_ids else [None] * len(full)
-            for j, (r, fin), ids, f in zip(idx, resps, full, feats):
-                lm = torch.zeros(len(ids), dtype=torch.bool)
-                lm[len(enc[j]):] = True
-                seqs[j] = Sequence(ids, lm, f, fin)
-            new_tokens += sum(len(r) for r, _ in resps)
-            bar.update(len(idx))
-            dt = time.perf_counter() - t0
-            bar.set_postfix_str(f"{new_tokens / dt:.0f} tok/s, shard {i + 1}/{n_shards}")
+        for a in answer(model, enc, rows=batch_size, max_new_tokens=max_new_tokens, temperature=temperature,
+                        stop_ids=stop_ids, pad_id=pad_id, seed=seed * 1_000_003 + i * 1009,
+                        layer_ids=feature_layer_ids, topk=topk):
+            seqs[a.index] = sequence_of(a)
+            new_tokens += len(a.ids) - a.prompt_len
+            bar.update(1)
+            bar.set_postfix_str(f"{new_tokens / (time.perf_counter() - t0):.0f} tok/s, shard {i + 1}/{n_shards}")
         write_shard(shard_dir(out, i), seqs, chunk)  # type: ignore[arg-type]
     bar.close()
     return summarize(out, time.perf_counter() - t0, new_tokens)
