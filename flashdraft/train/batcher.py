@@ -96,8 +96,10 @@ class Batcher:
         self.layer_ids, self.topk = layer_ids or [], topk
         self.gen = torch.Generator().manual_seed(seed) if temperature > 0 else None
         n_layers = model.config.get_text_config().num_hidden_layers
-        # Room for two longest rows: when the pointer reaches the end, compaction frees at least max_new columns.
-        self.width = 2 * (max_prompt + max_new_tokens) + 1
+        # A live row spans at most max_prompt + max_new_tokens columns, so when the pointer reaches the end a
+        # compaction frees at least `slack` columns: one buffer copy per `slack` steps.
+        slack = max(64, max_new_tokens)
+        self.width = max_prompt + max_new_tokens + slack + 1
         self.layers = [SlotLayer(rows, self.width) for _ in range(n_layers)]
         self.cache = Cache(layers=self.layers)
         self.live: list[Row] = []
