@@ -15,14 +15,17 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_answers_equal_greedy_with_refills_and_compaction(kind):
+def test_answers_equal_greedy_with_refills_and_compaction(kind, monkeypatch):
     model = tiny_target(kind)
-    ps = prompts(23)
+    ps = prompts(40)
+    shifts = []
+    compact = Batcher.compact
+    monkeypatch.setattr(Batcher, "compact", lambda self: (shifts.append(self.hi), compact(self)))
     stop = [7]
     # 5 rows for 23 prompts forces refills; a short width forces compaction many times over.
     b = Batcher(model, rows=5, max_prompt=40, max_new_tokens=30, stop_ids=stop, pad_id=0, layer_ids=[0, 2], topk=4)
     answers = {a.index: a for a in b.run(ps, admit_at=2)}
-    assert sorted(answers) == list(range(len(ps)))
+    assert sorted(answers) == list(range(len(ps))) and len(shifts) >= 2  # the pointer wrapped several times
     for i, p in enumerate(ps):
         a = answers[i]
         ref = hf_greedy(model, p, 30)
