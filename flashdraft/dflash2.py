@@ -90,13 +90,14 @@ class CandidateSelector(nn.Module):
 
 
 def selector_loss(selector: CandidateSelector, hidden: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor,
-                  prev: torch.Tensor, w: torch.Tensor, vocab_ids: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  prev: torch.Tensor, w: torch.Tensor, vocab_ids: torch.Tensor | None = None,
+                  insert_gold: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Σ w_t CE over position t's top-k candidates, scored S_t(true predecessor, ·), and the recall mask [m, B-1].
 
     hidden [m, B-1, H]; logits [m, B-1, V'] (over vocab_ids when a sampled softmax is used); labels / prev: true ids
-    of x[a+t] and x[a+t-1]. Positions whose true token is not among the candidates are skipped (no target exists;
-    inference could not pick it either). Candidate scores are detached: the block loss already trains them, this
+    of x[a+t] and x[a+t-1]. Where the true token is not among the candidates, the position is skipped (inference
+    could not pick it either), or with insert_gold it replaces the weakest candidate (with its own logit as score),
+    so every position teaches the pair term. Candidate scores are detached: the block loss already trains them, this
     loss trains the pair term.
     """
     k = min(selector.top_k, logits.shape[-1])
@@ -104,9 +105,16 @@ def selector_loss(selector: CandidateSelector, hidden: torch.Tensor, logits: tor
     cand = idx if vocab_ids is None else vocab_ids[idx]
     hit = cand == labels[..., None]
     found = hit.any(-1)  # [m, B-1]
+    if insert_gold:
+        gold = labels if vocab_ids is None else torch.searchsorted(vocab_ids, labels.contiguous())
+        cand = torch.cat([cand[..., :-1], torch.where(found, cand[..., -1], labels)[..., None]], -1)
+        last = torch.where(found, scores[..., -1], logits.detach().float().gather(-1, gold[..., None])[..., 0])
+        scores = torch.cat([scores[..., :-1], last[..., None]], -1)
+        hit = cand == labels[..., None]
     s = selector.pair_scores(hidden.float(), prev, cand, scores)
     ce = F.cross_entropy(s.flatten(0, 1), hit.float().argmax(-1).flatten(), reduction="none").view(found.shape)
-    return (ce * found * w).sum(), found
+    used = hit.any(-1)
+    return (ce * used * w).sum(), found
 
 
 def upgrade_to_dflash2(drafter: nn.Module, **dflash2_fields) -> nn.Module:

@@ -594,3 +594,123 @@ def test_api_errors(data_dir, tiny_dir, tmp_path):
     other = Target(tiny_target("llama", vocab=50), target.tokenizer, "small")
     with pytest.raises(FlashdraftError, match="outside the target vocabulary"):
         train(tiny_cfg(data_dir, tmp_path / "z", mask_token_id=3), target=other)
+
+
+# ---------------------------------------------------------------- training that spans sessions (issue: drafter at scale)
+
+@pytest.fixture(scope="module")
+def topk_dir(tiny_dir, prompts_file, tmp_path_factory) -> Path:
+    """Offline data with features (layer 2), the target's top-4 per token and a dev split."""
+    from flashdraft.train.data import split_dev
+
+    out = tmp_path_factory.mktemp("topk") / "d"
+    train_p, dev = split_dev(read_jsonl_prompts(prompts_file), 25.0)
+    prepare(load_target(str(tiny_dir)), train_p, out, max_new_tokens=40, batch_size=8, shard_size=10,
+            feature_layer_ids=[2], topk=4, dev=dev, progress=False)
+    return out
+
+
+def test_soft_ce_is_cross_entropy_against_the_renormalised_top_k():
+    from flashdraft.train.loss import weighted_soft_ce
+
+    torch.manual_seed(0)
+    logits, target = torch.randn(3, 2, 10), torch.randn(3, 2, 10)
+    lp, ids = torch.log_softmax(target, -1).topk(4, -1)
+    w = torch.tensor([1.0, 0.5])
+    ref = 0.0
+    for m in range(3):
+        for k in range(2):
+            p = torch.zeros(10)
+            p[ids[m, k]] = torch.softmax(lp[m, k], -1)  # top-4 of the target, renormalised
+            ref += float(w[k] * -(p * torch.log_softmax(logits[m, k], -1)).sum())
+    assert abs(float(weighted_soft_ce(logits, ids, lp, w)) - ref) < 1e-5
+
+
+def test_selector_gold_replaces_the_weakest_candidate():
+    import types
+
+    from flashdraft.dflash2 import CandidateSelector, selector_loss
+
+    torch.manual_seed(0)
+    cfg = types.SimpleNamespace(hidden_size=8, vocab_size=20, selector_rank=3, selector_top_k=3)
+    sel = CandidateSelector(cfg)
+    torch.nn.init.normal_(sel.hidden_projection.weight)
+    h, logits = torch.randn(1, 2, 8), torch.randn(1, 2, 20)
+    top = logits.topk(3, -1).indices
+    labels = torch.stack([top[0, 0, 2], torch.tensor(next(t for t in range(20) if t not in top[0, 1]))])[None]
+    prev, w = torch.randint(0, 20, (1, 2)), torch.tensor([1.0, 0.5])
+    skip, found = selector_loss(sel, h, logits, labels, prev, w)
+    gold, found_g = selector_loss(sel, h, logits, labels, prev, w, insert_gold=True)
+    assert found.tolist() == found_g.tolist() == [[True, False]]  # recall still reports the real candidates
+    with torch.no_grad():
+        c = top[0, 1].clone()
+        c[2] = labels[0, 1]
+        s = sel.pair_scores(h[0, 1], prev[0, 1], c, logits[0, 1, c])
+        extra = float(w[1] * torch.nn.functional.cross_entropy(s[None], torch.tensor([2])))
+    assert abs(float(gold.detach()) - float(skip.detach()) - extra) < 1e-4
+
+
+def test_distillation_from_stored_top_k(topk_dir, tiny_dir, tmp_path):
+    target = load_target(str(tiny_dir))
+    quiet = lambda *a, **k: None  # noqa: E731
+    with pytest.raises(FlashdraftError, match="--offline"):
+        train(tiny_cfg(topk_dir, tmp_path / "x", distill_weight=1.0), target=target, log=quiet)
+    base = dict(offline=True, steps=4, dev_every=0)
+    hard = train(tiny_cfg(topk_dir, tmp_path / "hard", **base), target=target, log=quiet)
+    soft = train(tiny_cfg(topk_dir, tmp_path / "soft", distill_weight=1.0, **base), target=target, log=quiet)
+    both = train(tiny_cfg(topk_dir, tmp_path / "sv", distill_weight=1.0, loss_vocab=20, **base), target=target,
+                 log=quiet)
+    assert soft["loss"] > hard["loss"] and torch.isfinite(torch.tensor(both["loss"]))  # the soft term is added
+    a, b = hard["drafter"].state_dict(), soft["drafter"].state_dict()
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+
+
+def test_dev_tau_selects_best_and_logs_cpu_hours(topk_dir, tiny_dir, tmp_path):
+    from flashdraft.checkpoint import load_drafter
+    from flashdraft.decode import generate_ids
+
+    target = load_target(str(tiny_dir))
+    out = tmp_path / "dev"
+    train(tiny_cfg(topk_dir, out, offline=True, steps=6, dev_every=3, dev_samples=2, dev_max_new_tokens=12),
+          target=target, log=lambda *a, **k: None)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    dev = [r for r in rows if "dev_tau" in r]
+    assert [r["step"] for r in dev] == [3, 6] and 0 < dev[0]["cpu_hours"] <= dev[1]["cpu_hours"]
+    best = json.loads((out / "best" / "best.json").read_text())
+    assert best["dev_tau"] == max(r["dev_tau"] for r in dev)
+    # the logged τ is real speculative decoding: redo it with the saved best drafter
+    prompts = [json.loads(x)["turns"][0] for x in (topk_dir / "dev.jsonl").read_text().splitlines()][:2]
+    drafter = load_drafter(out / "best", dtype=torch.float32)
+    lengths = [n for p in prompts for n in generate_ids(target.model, drafter, target.encode(p), max_new_tokens=12,
+                                                        stop_token_ids=target.stop_token_ids()).acceptance_lengths]
+    assert abs(sum(lengths) / len(lengths) - best["dev_tau"]) < 1e-9 and len(lengths) == best["dev_cycles"]
+
+
+def test_resume_extend_accepts_grown_data_and_more_steps(tiny_dir, prompts_file, tmp_path):
+    target = load_target(str(tiny_dir))
+    quiet = lambda *a, **k: None  # noqa: E731
+    prompts = read_jsonl_prompts(prompts_file)
+    data = tmp_path / "grow"
+    prepare(target, prompts[:12], data, max_new_tokens=40, batch_size=8, shard_size=6, progress=False)
+    train(tiny_cfg(data, tmp_path / "run", steps=3, dev_every=0), target=target, log=quiet)
+    prepare(target, prompts, data, max_new_tokens=40, batch_size=8, shard_size=6, progress=False)  # more data
+    with pytest.raises(FlashdraftError, match="same data"):
+        train(tiny_cfg(data, tmp_path / "run", steps=3, resume=True, dev_every=0), target=target, log=quiet)
+    with pytest.raises(FlashdraftError, match="steps was"):
+        train(tiny_cfg(data, tmp_path / "run", steps=5, resume=True, dev_every=0), target=target, log=quiet)
+    res = train(tiny_cfg(data, tmp_path / "run", steps=5, resume=True, extend=True, dev_every=0), target=target,
+                log=quiet)
+    assert res["final_step"] == 5 and (tmp_path / "run" / "latest").read_text().strip() == "step_0000005"
+    st = torch.load(tmp_path / "run" / "step_0000005" / "train_state.pt", weights_only=False)
+    assert st["cpu_s"] > 0 and st["num_sequences"] > 12 * 0.9
+
+
+def test_time_limit_stops_with_a_checkpoint(data_dir, tiny_dir, tmp_path, monkeypatch):
+    from flashdraft.train import trainer
+
+    clock = iter(range(0, 10_000, 40))  # every perf_counter call advances 40 s
+    monkeypatch.setattr(trainer.time, "perf_counter", lambda: float(next(clock)))
+    res = train(tiny_cfg(data_dir, tmp_path / "t", steps=50, time_limit=3.0, dev_every=0), target=load_target(str(tiny_dir)),
+                log=lambda *a, **k: None)
+    assert 0 < res["final_step"] < 50
+    assert (tmp_path / "t" / "latest").read_text().strip() == f"step_{res['final_step']:07d}"

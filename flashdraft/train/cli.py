@@ -155,7 +155,24 @@ def add_train(sub) -> None:
     p.add_argument("--keep-last", type=int, default=d.keep_last, help="checkpoints to keep")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--resume", action="store_true", help="continue from OUT/latest (bit-for-bit)")
+    p.add_argument("--extend", action="store_true",
+                   help="with --resume: also accept data that has grown since the run started and a larger --steps "
+                        "(not bit-for-bit: the data order continues over the new set)")
     p.add_argument("--stop-after", type=int, help="stop (with a checkpoint) after this many steps in this run")
+    p.add_argument("--time-limit", type=float, metavar="MIN",
+                   help="stop (with a checkpoint) once this run has trained for MIN minutes")
+    p.add_argument("--dev-prompts", metavar="FILE.jsonl",
+                   help="held-out prompts for checkpoint selection by real speculative-decoding τ (float32, greedy); "
+                        "default: DATA/dev.jsonl when prepare wrote one. The best drafter is kept in OUT/best")
+    p.add_argument("--dev-samples", type=int, default=d.dev_samples, help="dev prompts decoded per evaluation")
+    p.add_argument("--dev-max-new-tokens", type=int, default=d.dev_max_new_tokens)
+    p.add_argument("--dev-every", type=int, help="steps between dev τ evaluations (default: --save-every; 0 = never)")
+    p.add_argument("--distill-weight", type=float, default=d.distill_weight,
+                   help="offline distillation: add this times the cross-entropy against the target's top-k "
+                        "distribution stored by prepare --topk (renormalised over the k tokens)")
+    p.add_argument("--selector-gold", action="store_true",
+                   help="DFlash 2: where the true token is not among the candidates, it replaces the weakest one in "
+                        "the selector loss (default: such positions are skipped)")
     p.add_argument("--arch", choices=["dflash", "dflash2"], help="drafter kind (default: dflash, or the --init-from "
                    "drafter's; dflash2 with a DFlash 1 --init-from starts exactly equal to it)")
     p.add_argument("--selector-rank", type=int, help="DFlash 2 candidate-selector rank (default 256)")

@@ -40,6 +40,17 @@ def weighted_kl(logits: torch.Tensor, target_logits: torch.Tensor, w: torch.Tens
     return (kl * w).sum()
 
 
+def weighted_soft_ce(logits: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Σ_m Σ_k w_k CE(p_k, q_k) with p the target's stored top-K renormalised: distillation without its full logits.
+
+    logits [M, B-1, V] (indices into the softmax's vocabulary); ids [M, B-1, K] in the same indexing; logprobs
+    [M, B-1, K] the target's log-probabilities of ids. Equals KL(p || q) up to p's entropy, a constant.
+    """
+    logq = F.log_softmax(logits.float(), -1).gather(-1, ids)
+    p = torch.softmax(logprobs.float(), -1)
+    return (-(p * logq).sum(-1) * w).sum()
+
+
 def leading_correct(correct: torch.Tensor) -> torch.Tensor:
     """Per block, the number of leading correct drafts (what greedy verification would accept); [M, B-1] → [M]."""
     return correct.long().cumprod(-1).sum(-1)
@@ -52,11 +63,14 @@ def tau_hat(correct: torch.Tensor) -> float:
 
 def block_loss(hidden: torch.Tensor, labels: torch.Tensor, w: torch.Tensor,
                logits_fn: Callable[[torch.Tensor], torch.Tensor], target_logits: torch.Tensor | None = None,
-               kl_weight: float = 0.0, chunk_rows: int = 4096, aux: Aux | None = None
+               kl_weight: float = 0.0, chunk_rows: int = 4096, aux: Aux | None = None,
+               soft: tuple[torch.Tensor, torch.Tensor] | None = None, soft_weight: float = 0.0
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Loss numerator Σ w_k (CE_k + kl_weight · KL_k) [+ aux], correctness [M, B-1] and aux's mask, in row chunks.
+    """Loss numerator Σ w_k (CE_k + kl_weight · KL_k + soft_weight · softCE_k) [+ aux], correctness [M, B-1] and
+    aux's mask, in row chunks.
 
-    hidden: [M, B-1, h] drafter states of block positions 1..B-1; labels [M, B-1]; target_logits [M, B-1, V] or None.
+    hidden: [M, B-1, h] drafter states of block positions 1..B-1; labels [M, B-1]; target_logits [M, B-1, V] or None;
+    soft: the target's stored top-K (ids, log-probs), each [M, B-1, K], for weighted_soft_ce.
     aux(hidden, logits, rows) → (extra loss numerator, bool [m, B-1]) reuses each chunk's logits (DFlash 2 selector).
     Each chunk's logits are recomputed in backward (activation checkpointing) so [M, B-1, V] never lives at once.
     Divide the numerator by (number of blocks · Σ w) for the mean loss.
@@ -68,6 +82,8 @@ def block_loss(hidden: torch.Tensor, labels: torch.Tensor, w: torch.Tensor,
         num = weighted_ce(logits, y, w)
         if t is not None and kl_weight:
             num = num + kl_weight * weighted_kl(logits, t, w)
+        if soft is not None and soft_weight:
+            num = num + soft_weight * weighted_soft_ce(logits, soft[0][i:i + len(y)], soft[1][i:i + len(y)], w)
         extra = None
         if aux is not None:
             a_num, extra = aux(h, logits, slice(i, i + len(y)))

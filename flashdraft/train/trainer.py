@@ -43,7 +43,10 @@ RECALL_K = 16  # evaluation reports how often the true token is in a DFlash 1 dr
 # settings that must not change when resuming (they change the data order, the model or the schedule)
 RESUME_KEYS = ("data", "num_layers", "block_size", "mask_token_id", "steps", "batch_size", "lr", "min_lr_ratio",
                "warmup_steps", "weight_decay", "anchors", "gamma", "kl_weight", "seed", "offline", "eval_sequences",
-               "loss_vocab", "target_init", "arch", "selector_rank", "selector_top_k", "selector_weight", "loop_stages")
+               "loss_vocab", "target_init", "arch", "selector_rank", "selector_top_k", "selector_weight", "loop_stages",
+               "distill_weight", "selector_gold")
+# ... of which --extend lets these change: the data may have grown and the run may be made longer
+EXTEND_KEYS = ("data", "steps", "warmup_steps")
 
 
 @dataclass
@@ -88,6 +91,14 @@ class TrainConfig:
     loop_stages: int = 1  # DLoop: also train a later stage (2..S) on a teacher-forced prefix each step
     target_init: bool = False  # warm-start a fresh drafter's layers from the target's last layers
     loss_vocab: int = 0  # >0: sampled softmax over the N most frequent training tokens (+ labels, + N/4 random ids)
+    distill_weight: float = 0.0  # offline: add this times CE against the target's stored top-k distribution
+    selector_gold: bool = False  # DFlash 2: a true token missing from the candidates replaces the weakest one
+    extend: bool = False  # with resume: accept grown data and a larger --steps
+    dev_prompts: str | None = None  # JSONL of held-out prompts for real-τ selection (default: DATA/dev.jsonl)
+    dev_samples: int = 16  # first N dev prompts, decoded speculatively in float32 at every dev evaluation
+    dev_max_new_tokens: int = 128
+    dev_every: int | None = None  # steps between dev evaluations (default: --save-every); 0 = never
+    time_limit: float | None = None  # minutes: stop with a checkpoint once this run has trained this long
 
 
 # ---------------------------------------------------------------- mask token
@@ -214,10 +225,19 @@ def micro_inputs(target, raw: nn.Module, seqs: list[Sequence], cfg: TrainConfig,
         feats = torch.zeros(len(seqs), ids.shape[1], seqs[0].features.shape[-1], dtype=torch.bfloat16)
         for i, s in enumerate(seqs):
             feats[i, : len(s.input_ids)] = s.features
-        return ids, feats.to(device=device, dtype=torch.float32), None  # autocast lowers it again in bf16
+        soft = None
+        if cfg.distill_weight:  # the target's stored top-k per token: [b, n, K] ids and log-probs
+            k = seqs[0].topk_ids.shape[-1]
+            tk_ids = torch.zeros(len(seqs), ids.shape[1], k, dtype=torch.long)
+            tk_lp = torch.full((len(seqs), ids.shape[1], k), -60.0)
+            for i, s in enumerate(seqs):
+                tk_ids[i, : len(s.input_ids)] = s.topk_ids.long()
+                tk_lp[i, : len(s.input_ids)] = s.topk_logprobs.float()
+            soft = (tk_ids.to(device), tk_lp.to(device))
+        return ids, feats.to(device=device, dtype=torch.float32), None, soft  # autocast lowers feats again in bf16
     with autocast(device, dtype):
         feats, tlogits = target_features(target, ids, attn, raw.config.target_layer_ids, cfg.kl_weight > 0)
-    return ids, feats, tlogits
+    return ids, feats, tlogits, None
 
 
 def micro_loss(drafter: nn.Module, raw: nn.Module, target, inputs: tuple, anchors: list[torch.Tensor],
@@ -231,7 +251,7 @@ def micro_loss(drafter: nn.Module, raw: nn.Module, target, inputs: tuple, anchor
     B = raw.config.block_size
     L = stage_len(B, stage)
     first = L - B + 1  # block offset of the first predicted position
-    ids, feats, tlogits = inputs
+    ids, feats, tlogits, stored = inputs
     a, valid = pad_anchors(anchors)
     a, valid = a.to(device), valid.to(device)
     lm_head, embed = T.lm_head(target), T.embed(target)
@@ -249,6 +269,16 @@ def micro_loss(drafter: nn.Module, raw: nn.Module, target, inputs: tuple, anchor
         if vocab_ids is not None:
             vocab_ids = vocab_ids.to(device)
             y = remap_labels(labels, vocab_ids)
+        soft = None
+        if stored is not None:  # row t of the stored top-k is the distribution that produced x[t]
+            tpos = block_positions(a, L).view(*a.shape, L)[..., first:].clamp(max=ids.shape[1] - 1)
+            bidx = torch.arange(len(ids), device=device)[:, None, None].expand_as(tpos)
+            s_ids, s_lp = stored[0][bidx, tpos][valid], stored[1][bidx, tpos][valid]  # [M, B-1, K]
+            if vocab_ids is not None:  # ids outside a sampled softmax drop out of p (renormalised over the rest)
+                pos = torch.searchsorted(vocab_ids, s_ids.contiguous()).clamp(max=len(vocab_ids) - 1)
+                s_lp = torch.where(vocab_ids[pos] == s_ids, s_lp, torch.full_like(s_lp, -1e4))
+                s_ids = pos
+            soft = (s_ids, s_lp)
         aux = None
         selector = getattr(raw, "candidate_selector", None)
         if selector is None and not torch.is_grad_enabled():  # evaluation: how often top-k holds the true token
@@ -261,9 +291,10 @@ def micro_loss(drafter: nn.Module, raw: nn.Module, target, inputs: tuple, anchor
             ws = w.to(device) * cfg.selector_weight
 
             def aux(hh, logits, rows):
-                return selector_loss(selector, hh, logits, labels[rows], prev[rows], ws, vocab_ids)
+                return selector_loss(selector, hh, logits, labels[rows], prev[rows], ws, vocab_ids,
+                                     cfg.selector_gold and torch.is_grad_enabled())
         num, correct, recall = block_loss(h, y, w.to(device), lambda x: raw.logits(x, lm_head, vocab_ids), t,
-                                          cfg.kl_weight, cfg.loss_chunk, aux)
+                                          cfg.kl_weight, cfg.loss_chunk, aux, soft, cfg.distill_weight)
     return num, correct, recall
 
 
@@ -363,7 +394,16 @@ def check_config(cfg: TrainConfig, world: int) -> None:
     if cfg.loss_vocab and cfg.kl_weight > 0:
         raise FlashdraftError("--kl-weight needs the full vocabulary: drop --loss-vocab")
     if cfg.offline and cfg.kl_weight > 0:
-        raise FlashdraftError("--kl-weight needs the target's logits: train online (without --offline)")
+        raise FlashdraftError("--kl-weight needs the target's logits: train online (without --offline), or use "
+                              "--distill-weight with data prepared with --topk")
+    if cfg.distill_weight < 0 or (cfg.distill_weight and not cfg.offline):
+        raise FlashdraftError("--distill-weight needs --offline data prepared with --topk K, and must be >= 0")
+    if cfg.extend and not cfg.resume:
+        raise FlashdraftError("--extend only applies with --resume")
+    if cfg.time_limit is not None and cfg.time_limit <= 0:
+        raise FlashdraftError(f"--time-limit must be > 0 minutes, got {cfg.time_limit}")
+    if cfg.dev_samples < 1 or cfg.dev_max_new_tokens < 1 or (cfg.dev_every is not None and cfg.dev_every < 0):
+        raise FlashdraftError("--dev-samples and --dev-max-new-tokens must be >= 1 and --dev-every >= 0")
     parse_dtype(cfg.dtype)
     parse_dtype(cfg.save_dtype)
 
@@ -377,7 +417,7 @@ def prepare_sequences(cfg: TrainConfig, drafter_cfg, vocab: int) -> tuple[list[S
             raise FlashdraftError(f"{cfg.data} stores features of target layers {stored} but the drafter needs "
                                   f"{drafter_cfg.target_layer_ids}; re-run prepare --features with --feature-layer-ids "
                                   f"{','.join(map(str, drafter_cfg.target_layer_ids))} or train online")
-    seqs = load_sequences(cfg.data, features=cfg.offline)
+    seqs = load_sequences(cfg.data, features=cfg.offline, topk=cfg.distill_weight > 0)
     top = max(int(s.input_ids.max()) for s in seqs)
     if top >= vocab:
         raise FlashdraftError(f"{cfg.data} has token id {top} outside the target vocabulary 0..{vocab - 1}; "
@@ -393,10 +433,11 @@ def prepare_sequences(cfg: TrainConfig, drafter_cfg, vocab: int) -> tuple[list[S
 
 # ---------------------------------------------------------------- checkpoints
 
-def save_checkpoint(out: Path, step: int, drafter: nn.Module, opt, sched, cfg: TrainConfig, n_seqs: int) -> Path:
+def save_checkpoint(out: Path, step: int, drafter: nn.Module, opt, sched, cfg: TrainConfig, n_seqs: int,
+                    cpu_s: float = 0.0, best: dict | None = None) -> Path:
     """OUT/step_N: z-lab drafter files + train_state.pt, atomically; then OUT/latest and pruning."""
     path = out / f"step_{step:07d}"
-    state = {"step": step, "num_sequences": n_seqs,
+    state = {"step": step, "num_sequences": n_seqs, "cpu_s": cpu_s, "best": best,
              "model": {k: v.detach().cpu().clone() for k, v in drafter.state_dict().items()},
              "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "config": asdict(cfg),
              "rng": {"torch": torch.get_rng_state(),
@@ -427,7 +468,11 @@ def load_state(path: Path, cfg: TrainConfig) -> dict:
     except (OSError, RuntimeError, EOFError) as e:
         raise FlashdraftError(f"{path}/train_state.pt is unreadable ({e}); resume from an older step_* directory") from None
     old = state.get("config", {})
-    diff = [k for k in RESUME_KEYS if old.get(k) != getattr(cfg, k)]
+    defaults = TrainConfig(data="", out="")  # keys added after a run started count as their defaults
+    diff = [k for k in RESUME_KEYS if old.get(k, getattr(defaults, k)) != getattr(cfg, k)
+            and not (cfg.extend and k in EXTEND_KEYS)]
+    if cfg.extend and cfg.steps < state["step"]:
+        raise FlashdraftError(f"--extend: --steps {cfg.steps} is below the {state['step']} steps already trained")
     if diff:
         raise FlashdraftError(f"--resume: {', '.join(f'{k} was {old.get(k)!r} now {getattr(cfg, k)!r}' for k in diff)}; "
                               "use the original settings or a new --out")
@@ -463,6 +508,78 @@ def evaluate(raw: nn.Module, target, seqs: list[Sequence], cfg: TrainConfig, w: 
     if recall:  # how often the true token is among the top-k (DFlash 2: the selector's candidates)
         out["topk_recall_pos"] = [round(float(x), 4) for x in position_accuracy(torch.cat(recall))]
     return out
+
+
+# ---------------------------------------------------------------- selection by real τ on held-out prompts
+
+def cpu_seconds() -> float:
+    """User + system CPU time of this process (all threads): the compute a run has cost."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def dev_setup(cfg: TrainConfig, target, is_main: bool, say) -> dict | None:
+    """The dev prompts (--dev-prompts, else DATA/dev.jsonl) as ids and a float32 target to decode them with."""
+    if not is_main or cfg.dev_every == 0:
+        return None
+    path = Path(cfg.dev_prompts) if cfg.dev_prompts else Path(cfg.data) / "dev.jsonl"
+    if not path.is_file():
+        if cfg.dev_prompts:
+            raise FlashdraftError(f"--dev-prompts {path} does not exist")
+        return None
+    from .data import read_jsonl_prompts
+
+    prompts = read_jsonl_prompts(path)[: cfg.dev_samples]
+    dev_target = target
+    if next(target.model.parameters()).dtype != torch.float32:  # τ is measured as it will be served: float32
+        from ..models import load_target
+
+        dev_target = load_target(cfg.target, dtype="float32", device=str(next(target.model.parameters()).device))
+    say(f"flashdraft: dev τ on {len(prompts)} prompts of {path}, {cfg.dev_max_new_tokens} new tokens, float32",
+        file=sys.stderr)
+    return {"target": dev_target, "ids": [dev_target.encode(p) for p in prompts]}
+
+
+@torch.no_grad()
+def dev_tau(drafter: nn.Module, dev: dict, max_new_tokens: int) -> tuple[float, int]:
+    """Pooled τ of real greedy speculative decoding over the dev prompts: (τ, cycles)."""
+    from ..decode import generate_ids
+
+    target = dev["target"]
+    lengths: list[int] = []
+    for ids in dev["ids"]:
+        r = generate_ids(target.model, drafter, ids, max_new_tokens=max_new_tokens,
+                         stop_token_ids=target.stop_token_ids())
+        lengths += r.acceptance_lengths
+    return (sum(lengths) / len(lengths) if lengths else float("nan")), len(lengths)
+
+
+def dev_evaluate(drafter: nn.Module, dev: dict, cfg: TrainConfig, out: Path, step: int, cpu_s: float,
+                 best: dict | None, metrics_file: Path, say) -> dict | None:
+    """Measure dev τ, log it with the CPU-hours spent so far, and keep OUT/best when it improves; returns the best."""
+    was_training = drafter.training
+    drafter.eval()
+    t0 = time.perf_counter()
+    tau, cycles = dev_tau(drafter, dev, cfg.dev_max_new_tokens)
+    drafter.train(was_training)
+    row = {"step": step, "dev_tau": tau, "dev_cycles": cycles, "cpu_hours": cpu_s / 3600,
+           "dev_s": time.perf_counter() - t0}
+    improved = best is None or tau > best["dev_tau"]
+    if improved:
+        with atomic_dir(out / "best") as tmp:
+            save_drafter(drafter, tmp, dtype=cfg.save_dtype)
+            (tmp / "best.json").write_text(json.dumps(row) + "\n")
+        drafter.config.torch_dtype = "float32"
+        best = row
+    note = f"new best → {out / 'best'}" if improved else f"best {best['dev_tau']:.3f} at step {best['step']}"
+    say(f"step {step} | dev τ {tau:.3f} over {cycles} cycles ({row['dev_s']:.0f} s) | {row['cpu_hours']:.2f} CPU-h | "
+        f"{note}",
+        file=sys.stderr)
+    with open(metrics_file, "a") as f:
+        f.write(json.dumps(row) + "\n")
+    return best
 
 
 # ---------------------------------------------------------------- the loop
@@ -514,14 +631,17 @@ def train(cfg: TrainConfig, target=None, log=print) -> dict:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(lr_factor, warmup=warmup, total=cfg.steps,
                                                                      min_ratio=cfg.min_lr_ratio))
     out = Path(cfg.out)
-    start = 0
+    start, cpu_before, best = 0, 0.0, None
     if cfg.resume:
         ckpt = latest_checkpoint(out)
         if ckpt is None:
             say(f"flashdraft: nothing to resume in {out}; starting from step 0", file=sys.stderr)
         else:
             state = load_state(ckpt, cfg)
-            if state.get("num_sequences", n_seqs) != n_seqs:
+            if state.get("num_sequences", n_seqs) != n_seqs and cfg.extend:
+                say(f"flashdraft: --extend: the data now has {n_seqs} usable sequences (was {state['num_sequences']}); "
+                    "the data order continues over the new set", file=sys.stderr)
+            elif state.get("num_sequences", n_seqs) != n_seqs:
                 raise FlashdraftError(f"--resume: {cfg.data} now has {n_seqs} usable sequences, the run started with "
                                       f"{state['num_sequences']}; resume with the same data or use a new --out")
             drafter.load_state_dict(state["model"])
@@ -531,6 +651,7 @@ def train(cfg: TrainConfig, target=None, log=print) -> dict:
             if state["rng"].get("cuda") is not None and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(state["rng"]["cuda"])
             start = state["step"]
+            cpu_before, best = state.get("cpu_s", 0.0), state.get("best")
             say(f"flashdraft: resumed from {ckpt} at step {start}", file=sys.stderr)
     elif latest_checkpoint(out) is not None:
         raise FlashdraftError(f"{out} already holds checkpoints; pass --resume to continue or choose a new --out")
@@ -546,6 +667,9 @@ def train(cfg: TrainConfig, target=None, log=print) -> dict:
         out.mkdir(parents=True, exist_ok=True)
     metrics_file = out / "metrics.jsonl"
     last_stop = cfg.steps if cfg.stop_after is None else min(cfg.steps, start + cfg.stop_after)
+    dev = dev_setup(cfg, target, is_main, say)
+    dev_every = cfg.save_every if cfg.dev_every is None else cfg.dev_every
+    cpu0 = cpu_seconds()
     mb = cfg.micro_batch or cfg.batch_size // world
     acc_num = acc_blocks = acc_tok = 0.0
     acc_correct: list[torch.Tensor] = []
@@ -554,6 +678,10 @@ def train(cfg: TrainConfig, target=None, log=print) -> dict:
     result: dict = {}
     drafter.train()
     for step in range(start, last_stop):
+        if cfg.time_limit is not None and time.perf_counter() - t_start > cfg.time_limit * 60:
+            last_stop = step  # checkpointed below as the last step of this run
+            say(f"flashdraft: --time-limit {cfg.time_limit:g} min reached at step {step}", file=sys.stderr)
+            break
         all_idx = step_indices(step, len(train_seqs), cfg.batch_size, cfg.seed)
         # stage 1 (plain DFlash) always; with --loop-stages S also one later stage s, loss = (L_1 + L_s) / 2
         stages = [1] + ([loop_stage(cfg.seed, step, cfg.loop_stages)] if cfg.loop_stages > 1 else [])
@@ -640,10 +768,17 @@ def train(cfg: TrainConfig, target=None, log=print) -> dict:
             acc_num = acc_blocks = acc_tok = 0.0
             acc_correct = []
             t_log, last_logged = time.perf_counter(), done
+        cpu_s = cpu_before + (cpu_seconds() - cpu0) * world
+        if is_main and dev is not None and dev_every and (done % dev_every == 0 or done == last_stop):
+            best = dev_evaluate(drafter, dev, cfg, out, done, cpu_s, best, metrics_file, say)
         if is_main and (done % cfg.save_every == 0 or done == last_stop):
-            path = save_checkpoint(out, done, drafter, opt, sched, cfg, n_seqs)
+            path = save_checkpoint(out, done, drafter, opt, sched, cfg, n_seqs, cpu_s, best)
             if done == last_stop:
                 say(f"flashdraft: saved {path} (use it as --drafter)", file=sys.stderr)
+    else:
+        done = last_stop
+    if is_main and start < last_stop and done == last_stop and not (out / f"step_{done:07d}").is_dir():
+        save_checkpoint(out, done, drafter, opt, sched, cfg, n_seqs, cpu_before + (cpu_seconds() - cpu0) * world, best)
     if world > 1:
         dist.barrier()  # rank 0 may still be writing the last checkpoint
     result["drafter"] = drafter
