@@ -399,16 +399,22 @@ def test_target_init_copies_the_last_layers(tiny_dir, data_dir, tmp_path):
     assert torch.equal(plain.norm.weight, target.model.model.norm.weight)
 
 
-def test_selector_loss_scores_true_predecessor_and_skips_misses():
+def selector_case(m: int, b: int):
+    """A random rank-3, top-3 candidate selector over 20 tokens with hidden [m, b, 8] and logits [m, b, 20]."""
     import types
 
-    from flashdraft.dflash2 import CandidateSelector, selector_loss
+    from flashdraft.dflash2 import CandidateSelector
 
     torch.manual_seed(0)
-    cfg = types.SimpleNamespace(hidden_size=8, vocab_size=20, selector_rank=3, selector_top_k=3)
-    sel = CandidateSelector(cfg)
+    sel = CandidateSelector(types.SimpleNamespace(hidden_size=8, vocab_size=20, selector_rank=3, selector_top_k=3))
     torch.nn.init.normal_(sel.hidden_projection.weight)
-    h, logits = torch.randn(2, 3, 8), torch.randn(2, 3, 20)
+    return sel, torch.randn(m, b, 8), torch.randn(m, b, 20)
+
+
+def test_selector_loss_scores_true_predecessor_and_skips_misses():
+    from flashdraft.dflash2 import selector_loss
+
+    sel, h, logits = selector_case(2, 3)
     top = logits.topk(3, -1).indices
     labels = top[..., 1].clone()
     labels[1, 2] = next(t for t in range(20) if t not in top[1, 2])  # not a candidate: skipped
@@ -627,15 +633,9 @@ def test_soft_ce_is_cross_entropy_against_the_renormalised_top_k():
 
 
 def test_selector_gold_replaces_the_weakest_candidate():
-    import types
+    from flashdraft.dflash2 import selector_loss
 
-    from flashdraft.dflash2 import CandidateSelector, selector_loss
-
-    torch.manual_seed(0)
-    cfg = types.SimpleNamespace(hidden_size=8, vocab_size=20, selector_rank=3, selector_top_k=3)
-    sel = CandidateSelector(cfg)
-    torch.nn.init.normal_(sel.hidden_projection.weight)
-    h, logits = torch.randn(1, 2, 8), torch.randn(1, 2, 20)
+    sel, h, logits = selector_case(1, 2)
     top = logits.topk(3, -1).indices
     labels = torch.stack([top[0, 0, 2], torch.tensor(next(t for t in range(20) if t not in top[0, 1]))])[None]
     prev, w = torch.randint(0, 20, (1, 2)), torch.tensor([1.0, 0.5])
