@@ -140,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate(sub)
     from .train.cli import add_train_commands; add_train_commands(sub)
     from .bench import add_bench; add_bench(sub)  # noqa: E702
+    from .serve import add_serve; add_serve(sub)  # noqa: E702
     return parser
 
 

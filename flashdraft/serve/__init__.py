@@ -1,0 +1,128 @@
+"""`flashdraft serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) around one target and its drafter.
+
+Only this module is imported by `flashdraft --help`; the web stack (the `serve` extra) loads when the command runs.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import sys
+from pathlib import Path
+
+from ..errors import FlashdraftError
+
+ENGINES = ("torch",)
+
+
+def add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible server (chat / completions, streaming)",
+                       description="Serve the target with speculative decoding behind the OpenAI API: "
+                                   "/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.")
+    p.add_argument("--target", help="registered name, local HF model dir or hub id (default: smollm2-135m-instruct)")
+    p.add_argument("--drafter", help="drafter directory (z-lab format); default: the one registered for the target")
+    p.add_argument("--engine", default="torch", help="decoding engine (only 'torch', the default, exists)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback; there is no authentication)")
+    p.add_argument("--port", type=int, default=8000, help="port (0: pick a free one; the bound port is printed)")
+    p.add_argument("--served-model-name", help="model id clients must send (default: the target's name)")
+    p.add_argument("--block-size", type=int, help="tokens verified per cycle (default: the drafter's block_size)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--loop-stages", type=int, default=1, help="DLoop drafting stages per cycle (default 1)")
+    p.add_argument("--loop-gate", type=float, default=-0.75, help="DLoop confidence gate (default -0.75)")
+    p.add_argument("--max-queue", type=int, default=8,
+                   help="requests that may wait while one is decoded; more get 429 (default 8)")
+    p.add_argument("--request-timeout", type=float, default=300.0,
+                   help="seconds from admission to the last token, waiting included (default 300)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413 (default 1 MiB)")
+    p.add_argument("--default-max-tokens", type=int, default=256,
+                   help="max_tokens when a request gives none (default 256, capped by the context)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="after SIGTERM, seconds admitted requests get to finish before they are cancelled (default 30)")
+    p.set_defaults(func=cmd_serve)
+
+
+def check_options(args) -> None:
+    """One-line errors for options that cannot work, before anything is loaded."""
+    if args.engine not in ENGINES:
+        raise FlashdraftError(f"--engine {args.engine} is not available; the only engine is 'torch' "
+                              "(a llama.cpp engine is separate work)")
+    if not 0 <= args.port <= 65535:
+        raise FlashdraftError(f"--port must be in 0..65535, got {args.port}")
+    for name in ("max_queue",):
+        if getattr(args, name) < 0:
+            raise FlashdraftError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    for name in ("request_timeout", "shutdown_timeout", "max_body_bytes", "default_max_tokens"):
+        if not getattr(args, name) > 0:
+            raise FlashdraftError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if args.block_size is not None and args.block_size < 1:
+        raise FlashdraftError(f"block size must be >= 1, got {args.block_size}")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket (IPv4 or IPv6 by the host's address family)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((host, port), family=family)
+    except OSError as e:
+        raise FlashdraftError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+def served_name(target_arg: str | None, default: str) -> str:
+    """The model id: the registered name, or a local directory's last component, or the hub id."""
+    name = target_arg or default
+    return Path(name).name if Path(name).is_dir() else name
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def cmd_serve(args) -> int:
+    check_options(args)
+    try:
+        import uvicorn
+
+        from .app import GracefulServer, create_app
+    except ImportError as e:
+        raise FlashdraftError(f"flashdraft serve needs the serve extra ({e.name} is missing): "
+                              "pip install 'flashdraft[serve]'") from None
+    import torch
+
+    from ..dloop import check_loop
+    from ..models import DEFAULT_TARGET, load_drafter_for, load_target
+    from .engine import Engine
+    from .protocol import Served
+    from .scheduler import Limits, Scheduler
+
+    check_loop(args.loop_stages, args.loop_gate)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    target = load_target(args.target, dtype=args.dtype, device=device)
+    drafter = load_drafter_for(target, args.drafter)
+    if drafter is None:
+        if args.block_size not in (None, 1):
+            raise FlashdraftError(f"--block-size {args.block_size} needs a drafter: pass --drafter DIR or use "
+                                  "--block-size 1")
+        print(f"flashdraft: no drafter registered for {target.name}; serving with plain decoding.", file=sys.stderr)
+    engine = Engine(target, drafter, args.block_size, args.loop_stages, args.loop_gate)
+    limits = Limits(args.max_queue, args.request_timeout, args.max_body_bytes, args.shutdown_timeout)
+    scheduler = Scheduler(engine, limits)
+    model_id = args.served_model_name or served_name(args.target, DEFAULT_TARGET)
+    app = create_app(scheduler, Served([model_id], target, args.default_max_tokens))
+
+    sock = bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    url_host = f"[{host}]" if ":" in host else host
+    print(f"flashdraft: serving {model_id!r} (block size {engine.block_size}, {args.dtype}, {device}) on "
+          f"http://{url_host}:{port}/v1", file=sys.stderr, flush=True)
+    if not is_loopback(args.host):
+        print("flashdraft: warning: listening beyond loopback; the server has no authentication", file=sys.stderr)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                            timeout_graceful_shutdown=limits.shutdown_timeout + 5)
+    GracefulServer(config, scheduler).run(sockets=[sock])
+    print("flashdraft: server stopped", file=sys.stderr, flush=True)
+    return 0
+

@@ -1,0 +1,222 @@
+"""The FastAPI app: OpenAI routes, SSE streaming, errors as {"error": {...}}, /health and /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+import time
+import traceback
+from typing import AsyncIterator
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from .engine import Job, Outcome
+from .protocol import (ApiError, Parsed, Served, chunk_body, completion_body, extension, new_id, now, parse,
+                       parse_json, sse, usage)
+from .scheduler import Scheduler
+
+POLL_S = 0.25  # how often a non-streaming handler checks whether its client is still there
+
+ABORTS = {"timeout": (504, "timeout_error", "request_timeout"), "shutdown": (503, "unavailable_error", "shutting_down"),
+          "client": (499, "cancelled", "client_closed_request")}
+
+
+def outcome_of(status: int) -> str:
+    return {429: "rejected", 503: "unavailable", 504: "timeout", 499: "cancelled"}.get(
+        status, "error" if status >= 500 else "bad_request")
+
+
+def abort_error(reason: str, timeout: float) -> ApiError:
+    status, type_, code = ABORTS.get(reason, ABORTS["client"])
+    message = {"timeout": f"the request did not finish within the server's request timeout ({timeout:g} s)",
+               "shutdown": "the server shut down before the request finished"}.get(reason, "the request was cancelled")
+    return ApiError(status, message, type_, code=code)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to exceed limit bytes."""
+    declared = request.headers.get("content-length", "")
+    too_big = ApiError(413, f"the request body exceeds the server's limit of {limit} bytes", code="body_too_large")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def next_event(job: Job, timeout: float, request: Request | None = None) -> tuple[str, object]:
+    """The worker's next event for job; ApiError at the deadline or, given its request, when the client has left."""
+    while True:
+        remaining = job.deadline - time.monotonic()
+        if remaining <= 0:
+            job.abort("timeout")
+            raise abort_error("timeout", timeout)
+        try:
+            return await asyncio.wait_for(job.events.get(), min(remaining, POLL_S))
+        except asyncio.TimeoutError:
+            if request is not None and await request.is_disconnected():
+                job.abort("client")
+                raise abort_error("client", timeout) from None
+
+
+def terminal(kind: str, payload, timeout: float) -> Outcome:
+    """A "done" event's Outcome; the other final events become the client's error."""
+    if kind == "done":
+        return payload
+    if kind == "aborted":
+        raise abort_error(payload, timeout)
+    raise ApiError(500, f"generation failed: {payload}", "server_error", code="internal_error")
+
+
+class JobStream(StreamingResponse):
+    """SSE response that frees its job's slot however it ends (Starlette cancels it when the client leaves)."""
+
+    def __init__(self, content: AsyncIterator[bytes], job: Job, scheduler: Scheduler):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.job, self.scheduler = job, scheduler
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.scheduler.finish(self.job, "cancelled")  # no-op when the stream ended normally
+
+
+def create_app(scheduler: Scheduler, served: Served) -> FastAPI:
+    """The OpenAI-compatible app around one scheduler (one model)."""
+    engine, limits = scheduler.engine, scheduler.limits
+    started = now()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await scheduler.start()
+        yield
+        await scheduler.stop()
+
+    app = FastAPI(title="flashdraft", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError):
+        return JSONResponse(e.body(), e.status, headers=e.headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):
+        return JSONResponse(ApiError(e.status_code, str(e.detail)).body(), e.status_code)
+
+    @app.exception_handler(Exception)
+    async def crash(request: Request, e: Exception):
+        traceback.print_exception(e, file=sys.stderr)
+        scheduler.metrics.record("error")
+        return JSONResponse(ApiError(500, "internal server error", "server_error").body(), 500)
+
+    @app.get("/health")
+    async def health():
+        body = {"status": "draining" if scheduler.draining else "ok", "model": served.ids[0],
+                "queued": scheduler.queued, "running": int(scheduler.running is not None)}
+        return JSONResponse(body, 503 if scheduler.draining else 200)
+
+    @app.get("/metrics")
+    async def metrics():
+        text = scheduler.metrics.render(scheduler.queued, int(scheduler.running is not None), scheduler.draining)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    def model_card(mid: str) -> dict:
+        return {"id": mid, "object": "model", "created": started, "owned_by": "flashdraft",
+                "max_model_len": served.context}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card(m) for m in served.ids]}
+
+    @app.get("/v1/models/{mid:path}")
+    async def model(mid: str):
+        if mid not in served.ids:
+            raise ApiError(404, f"the model {mid!r} does not exist", param="model", code="model_not_found")
+        return model_card(mid)
+
+    async def admit(request: Request, kind: str) -> tuple[Parsed, Job]:
+        try:
+            if scheduler.draining:
+                raise ApiError(503, "the server is shutting down", "unavailable_error", code="shutting_down")
+            parsed = parse(kind, parse_json(await read_body(request, limits.max_body)), served)
+            return parsed, scheduler.submit(parsed.gen, parsed.stream)
+        except ApiError as e:
+            scheduler.metrics.record(outcome_of(e.status))
+            raise
+
+    async def handle(request: Request, kind: str):
+        parsed, job = await admit(request, kind)
+        rid, created = new_id(kind), now()
+        if parsed.stream:
+            return JobStream(stream(kind, rid, created, parsed, job), job, scheduler)
+        try:  # the worker sends a non-streaming job no deltas: the next event is the last
+            out = terminal(*await next_event(job, limits.request_timeout, request), limits.request_timeout)
+        except ApiError as e:
+            scheduler.finish(job, outcome_of(e.status))
+            raise
+        scheduler.finish(job, "ok", out)
+        return completion_body(kind, rid, parsed.model, created, parsed.gen, out, engine.block_size)
+
+    async def stream(kind: str, rid: str, created: int, parsed: Parsed, job: Job) -> AsyncIterator[bytes]:
+        """SSE: a role chunk, one chunk per accepted block's settled text, a final chunk with the stats, [DONE]."""
+        if kind == "chat":
+            yield sse(chunk_body(kind, rid, parsed.model, created, role=True))
+        try:
+            while True:
+                event = await next_event(job, limits.request_timeout)
+                if event[0] == "delta":
+                    yield sse(chunk_body(kind, rid, parsed.model, created, text=event[1]))
+                    continue
+                out = terminal(*event, limits.request_timeout)
+                break
+        except ApiError as e:
+            scheduler.finish(job, outcome_of(e.status))
+            yield sse(e.body())
+            yield sse("[DONE]")
+            return
+        scheduler.finish(job, "ok", out)
+        final = chunk_body(kind, rid, parsed.model, created, text=None if kind == "chat" else "",
+                           finish=out.finish_reason)
+        final["flashdraft"] = extension(parsed.gen, out, engine.block_size)
+        yield sse(final)
+        if parsed.include_usage:
+            yield sse({"id": rid, "object": final["object"], "created": created, "model": parsed.model,
+                       "choices": [], "usage": usage(parsed.gen, out)})
+        yield sse("[DONE]")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await handle(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(request, "text")
+
+    return app
+
+
+class GracefulServer(uvicorn.Server):
+    """SIGTERM / Ctrl-C: refuse new work, let admitted work finish (up to --shutdown-timeout), then exit 0.
+
+    uvicorn's own handler re-raises the signal after a clean shutdown, which would end the process with status 143.
+    """
+
+    def __init__(self, config: uvicorn.Config, scheduler: Scheduler):
+        super().__init__(config)
+        self.scheduler = scheduler
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True  # a second Ctrl-C: stop waiting
+        self.should_exit = True
+        self.scheduler.drain()

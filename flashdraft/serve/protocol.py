@@ -1,0 +1,287 @@
+"""The OpenAI wire format: request validation into a GenRequest, response and error bodies."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from .. import target as T
+from ..models import Target
+from .engine import GenRequest, Outcome
+
+
+class ApiError(Exception):
+    """An error the client gets as {"error": {message, type, param, code}} with an HTTP status."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+    # strict: "5" is not an int and true is not a number; unknown fields are ignored (clients send many)
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class Common(_Strict):
+    model: str | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+
+class ChatRequest(Common):
+    messages: list[Message]
+
+
+class CompletionRequest(Common):
+    prompt: str | list[int] | list[str]
+
+
+# fields that would change the answer if silently ignored: the values that mean "off" are accepted
+UNSUPPORTED = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None, False, 0),
+               "top_logprobs": (None, 0), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+               "repetition_penalty": (None, 1), "logit_bias": (None, {}), "tools": (None, []),
+               "functions": (None, []), "suffix": (None, ""), "min_tokens": (None, 0)}
+MAX_STOPS = 4
+MAX_SEED = 2 ** 63 - 1
+
+
+@dataclass
+class Served:
+    """What requests are checked against: the served model ids, the target and the server's defaults."""
+
+    ids: list[str]
+    target: Target
+    default_max_tokens: int = 256
+
+    @property
+    def context(self) -> int:
+        return T.context_limit(self.target.model)
+
+    @property
+    def vocab(self) -> int:
+        return T.vocab_size(self.target.model)
+
+
+@dataclass
+class Parsed:
+    """A validated request: what to generate and how to answer."""
+
+    gen: GenRequest
+    stream: bool
+    include_usage: bool
+    model: str
+
+
+def parse_json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _validate(cls: type[BaseModel], body: dict) -> Any:
+    try:
+        return cls.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = [str(p) for p in err["loc"]]
+        raise ApiError(400, f"{'.'.join(loc) or 'body'}: {err['msg']}", param=loc[0] if loc else None) from None
+
+
+def _check_unsupported(body: dict) -> None:
+    for name, off in UNSUPPORTED.items():
+        value = body.get(name)
+        if value is not None and not any(value == v for v in off):
+            raise ApiError(400, f"{name}={json.dumps(value)} is not supported by this server", param=name,
+                           code="unsupported_parameter")
+
+
+def _check_model(req: Common, served: Served) -> str:
+    """The model field is only compared with the served ids: it never names a file or loads anything."""
+    if req.model is None:
+        return served.ids[0]
+    if req.model not in served.ids:
+        raise ApiError(404, f"the model {req.model!r} does not exist; this server serves {served.ids[0]!r}",
+                       param="model", code="model_not_found")
+    return req.model
+
+
+def _sampling(req: Common) -> tuple[float, float, int, int]:
+    temperature = 1.0 if req.temperature is None else req.temperature
+    if not temperature >= 0:
+        raise ApiError(400, f"temperature must be >= 0, got {temperature}", param="temperature")
+    top_p = 1.0 if req.top_p is None else req.top_p
+    if not 0 < top_p <= 1:
+        raise ApiError(400, f"top_p must be in (0, 1], got {top_p}", param="top_p")
+    top_k = 0 if req.top_k in (None, -1) else req.top_k  # -1 (vLLM) and 0 both disable top-k
+    if top_k < 0:
+        raise ApiError(400, f"top_k must be >= 0 (0 or -1 disable it), got {top_k}", param="top_k")
+    seed = secrets.randbelow(MAX_SEED) if req.seed is None else req.seed  # no seed: a fresh draw, as OpenAI
+    if not 0 <= seed <= MAX_SEED:
+        raise ApiError(400, f"seed must be in 0..{MAX_SEED}, got {seed}", param="seed")
+    return temperature, top_p, top_k, seed
+
+
+def _stops(req: Common) -> list[str]:
+    stops = [] if req.stop is None else [req.stop] if isinstance(req.stop, str) else list(req.stop)
+    if len(stops) > MAX_STOPS:
+        raise ApiError(400, f"stop takes at most {MAX_STOPS} strings, got {len(stops)}", param="stop")
+    if any(not s for s in stops):
+        raise ApiError(400, "stop strings must not be empty", param="stop")
+    return stops
+
+
+def _max_tokens(req: Common, served: Served, n_prompt: int, prompt_param: str) -> int:
+    ctx = served.context
+    if n_prompt >= ctx:
+        raise ApiError(400, f"the prompt has {n_prompt} tokens but the model's context is {ctx}; shorten it so at "
+                            "least one new token fits", param=prompt_param, code="context_length_exceeded")
+    given = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    if given is None:
+        return min(served.default_max_tokens, ctx - n_prompt)
+    if given < 1:
+        raise ApiError(400, f"{param} must be >= 1, got {given}", param=param)
+    if n_prompt + given > ctx:
+        raise ApiError(400, f"the model's context is {ctx} tokens: {n_prompt} in the prompt + {param} {given} do "
+                            f"not fit (at most {ctx - n_prompt})", param=param, code="context_length_exceeded")
+    return given
+
+
+def _tokenizer(served: Served):
+    tok = served.target.tokenizer
+    if tok is None:
+        raise ApiError(400, "the served target has no tokenizer: send token ids as the prompt of /v1/completions",
+                       param="prompt")
+    return tok
+
+
+def chat_ids(messages: list[Message], served: Served) -> list[int]:
+    if not messages:
+        raise ApiError(400, "messages must not be empty", param="messages")
+    tok = _tokenizer(served)
+    if not getattr(tok, "chat_template", None):
+        raise ApiError(400, "the served target has no chat template: use /v1/completions", param="messages")
+    turns = [{"role": "system" if m.role == "developer" else m.role,
+              "content": m.content if isinstance(m.content, str) else
+              "\n".join(p.text for p in m.content or [])} for m in messages]
+    try:  # transformers renders the (server-side) template in a sandbox; client text is only data in it
+        ids = tok.apply_chat_template(turns, add_generation_prompt=True, tokenize=True, return_dict=False)
+    except Exception as e:
+        raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
+def completion_ids(prompt: str | list[int] | list[str], served: Served) -> list[int]:
+    if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt) and prompt:
+        if len(prompt) > 1:
+            raise ApiError(400, "one prompt per request (a list of prompts is not supported)", param="prompt")
+        prompt = prompt[0]
+    if not prompt:
+        raise ApiError(400, "the prompt is empty", param="prompt")
+    if isinstance(prompt, str):
+        _tokenizer(served)
+        return served.target.encode(prompt, chat=False)
+    bad = [i for i in prompt if not 0 <= i < served.vocab]
+    if bad:
+        raise ApiError(400, f"prompt token ids {bad[:5]} are outside the vocabulary 0..{served.vocab - 1}",
+                       param="prompt")
+    return list(prompt)
+
+
+def parse(kind: str, body: dict, served: Served) -> Parsed:
+    """Validate a /v1/chat/completions ("chat") or /v1/completions ("text") body."""
+    _check_unsupported(body)
+    req = _validate(ChatRequest if kind == "chat" else CompletionRequest, body)
+    model = _check_model(req, served)
+    temperature, top_p, top_k, seed = _sampling(req)
+    stops = _stops(req)
+    ids = chat_ids(req.messages, served) if kind == "chat" else completion_ids(req.prompt, served)
+    max_tokens = _max_tokens(req, served, len(ids), "messages" if kind == "chat" else "prompt")
+    gen = GenRequest(ids, max_tokens, temperature, top_p, top_k, seed, stops)
+    usage = bool(req.stream_options and req.stream_options.include_usage)
+    return Parsed(gen, req.stream, usage, model)
+
+
+# ---------------------------------------------------------------- responses
+
+def new_id(kind: str) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+
+
+def usage(gen: GenRequest, out: Outcome) -> dict:
+    n = len(out.output_ids)
+    return {"prompt_tokens": len(gen.prompt_ids), "completion_tokens": n, "total_tokens": len(gen.prompt_ids) + n}
+
+
+def extension(gen: GenRequest, out: Outcome, block_size: int) -> dict:
+    """The flashdraft field: τ, acceptance lengths, the timing split, and what exactly was decoded."""
+    return {"tau": out.tau, "acceptance_lengths": out.acceptance_lengths, "timing": out.timing,
+            "output_ids": out.output_ids, "block_size": block_size, "seed": gen.seed}
+
+
+def completion_body(kind: str, rid: str, model: str, created: int, gen: GenRequest, out: Outcome,
+                    block_size: int) -> dict:
+    if kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
+                  "finish_reason": out.finish_reason, "logprobs": None}
+    else:
+        choice = {"index": 0, "text": out.text, "finish_reason": out.finish_reason, "logprobs": None}
+    return {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion", "created": created,
+            "model": model, "choices": [choice], "usage": usage(gen, out),
+            "flashdraft": extension(gen, out, block_size)}
+
+
+def chunk_body(kind: str, rid: str, model: str, created: int, text: str | None = None, role: bool = False,
+               finish: str | None = None) -> dict:
+    if kind == "chat":
+        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
+        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+    else:
+        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+    return {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+            "created": created, "model": model, "choices": [choice]}
+
+
+def sse(data: dict | str) -> bytes:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
+
+
+def now() -> int:
+    return int(time.time())
