@@ -39,7 +39,7 @@ def char_tokenizer():
     return tok
 
 
-def make_model_dirs(root: Path, max_pos: int = 4096, block_size: int = 4) -> tuple[Path, Path]:
+def make_model_dirs(root: Path, max_pos: int = 16384, block_size: int = 4) -> tuple[Path, Path]:
     """A tiny Llama target (no EOS, so every answer runs to max_tokens) + char tokenizer, and a random drafter."""
     model = tiny_target("llama", seed=3, max_pos=max_pos)
     model.save_pretrained(root / "tiny-target")

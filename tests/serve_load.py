@@ -54,7 +54,8 @@ class Report:
         return {"clients": self.clients, "requests_per_client": self.requests_per_client,
                 "requests": self.ok + sum(self.errors.values()), "ok": self.ok,
                 "errors": {str(k): v for k, v in self.errors.items()}, "mismatches": len(self.mismatches),
-                "wall_s": round(self.wall_s, 3), "requests_per_s": round(self.ok / self.wall_s, 3) if self.wall_s else 0,
+                "wall_s": round(self.wall_s, 3),
+                "requests_per_s": round(self.ok / self.wall_s, 3) if self.wall_s else 0.0,
                 "latency_p50_s": pct(self.latencies, 50), "latency_p99_s": pct(self.latencies, 99),
                 "ttft_p50_s": pct(self.ttfts, 50), "ttft_p99_s": pct(self.ttfts, 99)}
 

@@ -20,7 +20,8 @@ from flashdraft.cli import main
 from flashdraft.serve.engine import TextTracker
 
 MODEL = "tiny-target"
-LONG = 3000  # tokens: tens of seconds on the tiny model, so only a cancellation ends such a request early
+CONTEXT = 16384  # the tiny target's
+LONG = 16000  # tokens: minutes on the tiny model here (and far longer than any wait below on a fast CPU)
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +45,10 @@ def server(request, dirs):
 
 @pytest.fixture(scope="module")
 def tight(request, dirs):
-    """Small limits: one waiting request, a 3 s request timeout, 4 KiB bodies."""
+    """Small limits: one waiting request, a 5 s request timeout, 4 KiB bodies."""
     target, drafter = dirs
     return start(request, "--target", str(target), "--drafter", str(drafter), "--max-queue", "1",
-                 "--request-timeout", "3", "--max-body-bytes", "4096")
+                 "--request-timeout", "5", "--max-body-bytes", "4096")
 
 
 def client_for(server: Server, timeout: float = 60) -> openai.OpenAI:
@@ -208,7 +209,7 @@ BAD = [
     ("messages missing", "/v1/chat/completions", {"model": MODEL}, 400, "messages", None),
     ("max_tokens 0", "/v1/chat/completions", chat(max_tokens=0), 400, "max_tokens", None),
     ("max_tokens < 0", "/v1/completions", {"prompt": "x", "max_tokens": -3}, 400, "max_tokens", None),
-    ("max_tokens > context", "/v1/chat/completions", chat(max_tokens=5000), 400, "max_tokens",
+    ("max_tokens > context", "/v1/chat/completions", chat(max_tokens=CONTEXT + 1), 400, "max_tokens",
      "context_length_exceeded"),
     ("max_completion_tokens 0", "/v1/chat/completions", chat(max_completion_tokens=0), 400, "max_completion_tokens",
      None),
@@ -217,9 +218,9 @@ BAD = [
     ("top_p 0", "/v1/chat/completions", chat(top_p=0), 400, "top_p", None),
     ("top_p > 1", "/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p", None),
     ("top_k < -1", "/v1/chat/completions", chat(top_k=-2), 400, "top_k", None),
-    ("prompt longer than the context", "/v1/completions", {"prompt": "a" * 5000}, 400, "prompt",
+    ("prompt longer than the context", "/v1/completions", {"prompt": "a" * CONTEXT}, 400, "prompt",
      "context_length_exceeded"),
-    ("chat longer than the context", "/v1/chat/completions", chat("b" * 5000), 400, "messages",
+    ("chat longer than the context", "/v1/chat/completions", chat("b" * CONTEXT), 400, "messages",
      "context_length_exceeded"),
     ("empty prompt", "/v1/completions", {"prompt": ""}, 400, "prompt", None),
     ("prompt ids outside the vocabulary", "/v1/completions", {"prompt": [1, 2, 999]}, 400, "prompt", None),
@@ -293,19 +294,17 @@ def test_disconnect_mid_stream_frees_the_slot(server, client):
     stream = client.completions.create(model=MODEL, prompt="long", max_tokens=LONG, temperature=0, stream=True)
     got = [next(iter(stream)) for _ in range(3)]
     assert all(c.choices[0].text is not None for c in got)
-    t0 = time.monotonic()
     stream.close()
-    wait_until(lambda: idle(server), 15, "the decoder to stop after the client left")
-    assert time.monotonic() - t0 < 15  # the whole request would have taken far longer
+    wait_until(lambda: idle(server), 10, "the decoder to stop after the client left")  # long before LONG tokens
     assert server.metrics()['flashdraft_requests_total{outcome="cancelled"}'] == before + 1
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=5).usage.completion_tokens == 5
 
 
-def test_disconnect_while_waiting_non_streaming_frees_the_slot(server, client):
+def test_disconnect_non_streaming_frees_the_slot(server, client):
     s = raw_post(server.port, "/v1/completions", {"model": MODEL, "prompt": "long", "max_tokens": LONG})
     wait_until(lambda: not idle(server), 15, "the request to start")
     s.close()
-    wait_until(lambda: idle(server), 15, "the decoder to stop after the client left")
+    wait_until(lambda: idle(server), 10, "the decoder to stop after the client left")
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=5).usage.completion_tokens == 5
 
 
@@ -333,7 +332,7 @@ def test_request_timeout(tight):
     before = tight.metrics()['flashdraft_requests_total{outcome="timeout"}']
     t0 = time.monotonic()
     status, resp, _ = tight.request("POST", "/v1/completions", {"model": MODEL, "prompt": "t", "max_tokens": LONG})
-    assert status == 504 and resp["error"]["code"] == "request_timeout" and 2.5 < time.monotonic() - t0 < 10
+    assert status == 504 and resp["error"]["code"] == "request_timeout" and 4.5 < time.monotonic() - t0 < 15
     stream = client_for(tight).completions.create(model=MODEL, prompt="t", max_tokens=LONG, stream=True)
     with pytest.raises(openai.APIError, match="request timeout"):
         for _ in stream:

@@ -47,14 +47,15 @@ class Metrics:
             ("prompt_tokens_total", "counter", self.prompt_tokens, "Prompt tokens of completed requests."),
             ("completion_tokens_total", "counter", self.completion_tokens, "Tokens generated for completed requests."),
             ("cycles_total", "counter", self.cycles, "Target verify passes (draft-verify cycles)."),
-            ("accepted_tokens_total", "counter", self.accepted, "Tokens emitted by cycles (sum of acceptance lengths)."),
+            ("accepted_tokens_total", "counter", self.accepted, "Sum of acceptance lengths."),
             ("decode_seconds_total", "counter", round(self.decode_s, 6), "Seconds spent decoding completed requests."),
             ("mean_tau", "gauge", round(tau, 6), "Mean acceptance length over all cycles so far."),
             ("queued_requests", "gauge", queued, "Admitted requests waiting for the decoder."),
             ("running_requests", "gauge", running, "Requests being decoded (0 or 1)."),
             ("draining", "gauge", int(draining), "1 after SIGTERM: new requests are refused."),
         ]:
-            lines += [f"# HELP flashdraft_{name} {help_}", f"# TYPE flashdraft_{name} {kind}", f"flashdraft_{name} {value}"]
+            name = f"flashdraft_{name}"
+            lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
         return "\n".join(lines) + "\n"
 
 
@@ -103,7 +104,7 @@ class Scheduler:
         if job not in self.admitted:
             return
         self.admitted.discard(job)
-        job.abort("client")  # a no-op once the worker has finished it
+        pass
         self.metrics.record(outcome, job.request, out)
 
     def drain(self) -> None:

@@ -670,6 +670,8 @@ def train(cfg: TrainConfig, target=None, log=print) -> dict:
     dev = dev_setup(cfg, target, is_main, say)
     dev_every = cfg.save_every if cfg.dev_every is None else cfg.dev_every
     cpu0 = cpu_seconds()
+    if dev is not None and start == 0:  # the curve's origin: the initial (e.g. --init-from) drafter
+        best = dev_evaluate(drafter, dev, cfg, out, 0, cpu_before, best, metrics_file, say)
     mb = cfg.micro_batch or cfg.batch_size // world
     acc_num = acc_blocks = acc_tok = 0.0
     acc_correct: list[torch.Tensor] = []
