@@ -148,7 +148,7 @@ class Engine:
         layer_ids, propose = [], None
         if drafter is not None and self.block_size > 1:
             layer_ids = list(drafter.config.target_layer_ids)
-            gen = torch.Generator(device=model.device).manual_seed(req.seed + 2)
+            gen = torch.Generator(device=model.device).manual_seed(req.seed + 1)
             propose = (drafter_proposer(model, drafter, params, gen) if self.loop_stages == 1
                        else looped_proposer(model, drafter, params, gen, self.loop_stages, self.loop_gate))
         return decode(model, req.prompt_ids, block_size=self.block_size, max_new_tokens=req.max_tokens,
