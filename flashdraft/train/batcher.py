@@ -12,7 +12,7 @@ target's top-k log-probabilities of the distribution that produced every generat
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
@@ -217,13 +217,15 @@ class Batcher:
 
     @torch.inference_mode()
     def run(self, prompts: list[list[int]], admit_at: int | None = None,
-            on_answer: Callable[[Answer], None] | None = None) -> Iterator[Answer]:
-        """Answers for prompts (shortest first, in completion order); refills when `admit_at` slots are free."""
+            order: list[int] | None = None) -> Iterator[Answer]:
+        """Answers for prompts in completion order, admitted in `order` (default: shortest first); refills when
+        `admit_at` slots are free."""
         too_long = [len(p) for p in prompts if len(p) > self.max_prompt or not p]
         if too_long:
             raise ValueError(f"prompt lengths {too_long[:3]} outside 1..{self.max_prompt}")
         admit_at = admit_at or max(1, self.rows // 4)
-        queue = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))[::-1]  # pop() gives the shortest
+        order = order if order is not None else sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        queue = list(order)[::-1]  # pop() gives the next to admit
         while queue or self.live:
             free = self.rows - len(self.live)
             if queue and (free >= admit_at or not self.live):

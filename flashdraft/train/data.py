@@ -198,22 +198,26 @@ def full_attention_only(model) -> bool:
     return all(t == "full_attention" for t in types)
 
 
-def answer_continuous(model, enc: list[list[int]], *, rows: int, max_new_tokens: int, temperature: float,
-                      stop_ids: list[int], pad_id: int, seed: int, layer_ids: list[int] | None, topk: int):
-    """Answers in completion order from the continuous batcher."""
+def answer_continuous(model, enc: list[list[int]], order: list[int], *, rows: int, max_new_tokens: int,
+                      temperature: float, stop_ids: list[int], pad_id: int, seed: int, layer_ids: list[int] | None,
+                      topk: int):
+    """Answers in completion order from the continuous batcher, prompts admitted in `order`."""
     from .batcher import Batcher
 
+    if not enc:
+        return
     b = Batcher(model, rows=rows, max_prompt=max(map(len, enc)), max_new_tokens=max_new_tokens, stop_ids=stop_ids,
                 pad_id=pad_id, temperature=temperature, seed=seed, layer_ids=layer_ids, topk=topk)
-    yield from b.run(enc)
+    yield from b.run(enc, order=order)
 
 
-def answer_static(model, enc: list[list[int]], *, rows: int, max_new_tokens: int, temperature: float,
-                  stop_ids: list[int], pad_id: int, seed: int, layer_ids: list[int] | None, topk: int):
-    """Answers from `model.generate` on length-sorted batches, then one full forward for features and top-k."""
+def answer_static(model, enc: list[list[int]], order: list[int], *, rows: int, max_new_tokens: int,
+                  temperature: float, stop_ids: list[int], pad_id: int, seed: int, layer_ids: list[int] | None,
+                  topk: int):
+    """Answers from `model.generate` on consecutive batches of `order` (length-sorted: little padding), then one
+    full forward for features and top-k."""
     from .batcher import Answer
 
-    order = sorted(range(len(enc)), key=lambda j: len(enc[j]))  # similar lengths share a batch: less padding
     for b0 in range(0, len(order), rows):
         idx = order[b0:b0 + rows]
         resps = generate_responses(model, [enc[j] for j in idx], max_new_tokens=max_new_tokens,
@@ -401,19 +405,26 @@ def prepare(target, prompts: list[str], out_dir: str | Path, *, max_new_tokens: 
     bar = tqdm(total=mine, initial=done_prompts, unit="seq", disable=not progress, dynamic_ncols=True,
                desc="prepare", smoothing=0.05)
     new_tokens, t0 = 0, time.perf_counter()
+    # One stream over every shard still to do, each shard's prompts shortest first: rows of the next shard start
+    # while the last long answers of the previous one finish, so the batch never drains between shards.
+    chunks = {i: prompts[i * shard_size:(i + 1) * shard_size] for i in todo}
+    enc = [target.encode(p, chat=chat) for i in todo for p in chunks[i]]
+    where = [(i, j) for i in todo for j in range(len(chunks[i]))]
+    order = sorted(range(len(enc)), key=lambda k: (where[k][0], len(enc[k])))
+    seqs: dict[int, list[Sequence | None]] = {i: [None] * len(chunks[i]) for i in todo}
+    left = {i: len(chunks[i]) for i in todo}
     answer = answer_static if batching == "static" else answer_continuous
-    for i in todo:
-        chunk = prompts[i * shard_size:(i + 1) * shard_size]
-        enc = [target.encode(p, chat=chat) for p in chunk]
-        seqs: list[Sequence | None] = [None] * len(enc)
-        for a in answer(model, enc, rows=batch_size, max_new_tokens=max_new_tokens, temperature=temperature,
-                        stop_ids=stop_ids, pad_id=pad_id, seed=seed * 1_000_003 + i * 1009,
-                        layer_ids=feature_layer_ids, topk=topk):
-            seqs[a.index] = sequence_of(a)
-            new_tokens += len(a.ids) - a.prompt_len
-            bar.update(1)
-            bar.set_postfix_str(f"{new_tokens / (time.perf_counter() - t0):.0f} tok/s, shard {i + 1}/{n_shards}")
-        write_shard(shard_dir(out, i), seqs, chunk)  # type: ignore[arg-type]
+    for a in answer(model, enc, order, rows=batch_size, max_new_tokens=max_new_tokens, temperature=temperature,
+                    stop_ids=stop_ids, pad_id=pad_id, seed=seed * 1_000_003, layer_ids=feature_layer_ids, topk=topk):
+        i, j = where[a.index]
+        seqs[i][j] = sequence_of(a)
+        left[i] -= 1
+        if not left[i]:
+            write_shard(shard_dir(out, i), seqs.pop(i), chunks[i])  # type: ignore[arg-type]
+        new_tokens += len(a.ids) - a.prompt_len
+        bar.update(1)
+        bar.set_postfix_str(f"{new_tokens / (time.perf_counter() - t0):.0f} tok/s, "
+                            f"{n_shards - sum(1 for v in left.values() if v)}/{n_shards} shards")
     bar.close()
     return summarize(out, time.perf_counter() - t0, new_tokens)
 
