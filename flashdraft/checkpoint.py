@@ -88,7 +88,31 @@ def load_drafter(path: str | Path, dtype: str | torch.dtype | None = None, devic
             raise FlashdraftError(f"{path}: weight {name} has shape {tuple(state[name].shape)}, "
                                   f"config.json implies {tuple(tensor.shape)}")
     model.load_state_dict(state)
+    model.draft_vocab = read_draft_vocab(path, cfg.vocab_size)
     return model.to(device=device, dtype=parse_dtype(dtype or cfg.torch_dtype)).eval()
+
+
+DRAFT_VOCAB = "draft_vocab.json"  # optional; engines that don't know it ignore it (it is not a weights file)
+
+
+def read_draft_vocab(path: Path, vocab_size: int) -> torch.Tensor | None:
+    """The sorted token ids a drafter may propose, from DIR/draft_vocab.json {"ids": [...]}; None when absent."""
+    file = path / DRAFT_VOCAB
+    if not file.is_file():
+        return None
+    try:
+        ids = json.loads(file.read_text())["ids"]
+        ok = isinstance(ids, list) and ids and all(isinstance(i, int) and 0 <= i < vocab_size for i in ids)
+    except (json.JSONDecodeError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise FlashdraftError(f"{file}: expected {{\"ids\": [token ids in 0..{vocab_size - 1}]}}; fix or delete it "
+                              "(without it the drafter proposes from the whole vocabulary)")
+    return torch.tensor(sorted(set(ids)), dtype=torch.long)
+
+
+def draft_vocab_json(ids: torch.Tensor) -> str:
+    return json.dumps({"ids": [int(i) for i in ids]}) + "\n"
 
 
 def save_drafter(model: torch.nn.Module, path: str | Path, dtype: str | torch.dtype | None = None) -> None:
@@ -100,6 +124,8 @@ def save_drafter(model: torch.nn.Module, path: str | Path, dtype: str | torch.dt
     with atomic_dir(path) as tmp:
         (tmp / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2) + "\n")
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if getattr(model, "draft_vocab", None) is not None:
+            (tmp / DRAFT_VOCAB).write_text(draft_vocab_json(model.draft_vocab))
 
 
 def check_compatible(cfg: DrafterConfig, num_layers: int, hidden_size: int, vocab_size: int, where: str) -> None:

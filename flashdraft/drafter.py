@@ -148,6 +148,9 @@ class DFlashDrafter(nn.Module):
             from .dflash2 import CandidateSelector
 
             self.candidate_selector = CandidateSelector(cfg)
+        # Sorted token ids the drafter may propose (None: all). Not a weight: it lives in draft_vocab.json.
+        self.draft_vocab: torch.Tensor | None = None
+        self._draft_head: tuple | None = None  # (key, rows of the LM head for draft_vocab, their bias)
 
     def rope(self, positions: torch.Tensor, like: torch.Tensor) -> tuple:
         """positions: [b, n] absolute ids → (cos, sin) [b, n, head_dim] in like's dtype."""
@@ -178,6 +181,28 @@ class DFlashDrafter(nn.Module):
         else:
             bias = None if lm_head.bias is None else lm_head.bias[vocab_ids]
             logits = F.linear(hidden.to(lm_head.weight.dtype), lm_head.weight[vocab_ids], bias)
+        return self.scale_logits(logits)
+
+    def draft_logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """Full-vocabulary logits; with a draft vocabulary only its rows of the head run and the rest are -inf.
+
+        The head is most of a CPU draft (49k rows for SmolLM2); restricting proposals to frequent tokens stays
+        lossless: greedy verification never trusts a draft, and at T > 0 q is exactly the distribution sampled.
+        """
+        if self.draft_vocab is None:
+            return self.logits(hidden, lm_head)
+        w = lm_head.weight
+        key = (w.data_ptr(), w.dtype, w.device, self.draft_vocab.data_ptr())
+        if self._draft_head is None or self._draft_head[0] != key:
+            ids = self.draft_vocab.to(w.device)
+            self._draft_head = (key, w[ids].contiguous(), None if lm_head.bias is None else lm_head.bias[ids])
+        sub = self.scale_logits(F.linear(hidden.to(w.dtype), self._draft_head[1], self._draft_head[2]))
+        full = sub.new_full((*sub.shape[:-1], w.shape[0]), float("-inf"))
+        full[..., self.draft_vocab.to(full.device)] = sub
+        return full
+
+    def scale_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """output_multiplier and final_logit_softcapping (DFlash 2 checkpoints), when set."""
         if self.config.output_multiplier is not None:
             logits = logits * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
@@ -236,7 +261,7 @@ def proposal_logits(drafter: DFlashDrafter, hidden: torch.Tensor, lm_head: nn.Mo
     The head runs on n+1 rows (all B rows for a plain block): CPU GEMMs are several times slower for some row
     counts (15 vs 16); the first of those rows proposes nothing.
     """
-    return drafter.logits(hidden[-(n + 1):], lm_head)[1:]
+    return drafter.draft_logits(hidden[-(n + 1):], lm_head)[1:]
 
 
 def draft_block(drafter: DFlashDrafter, cache: ContextCache, new_features: torch.Tensor,

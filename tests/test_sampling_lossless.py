@@ -83,3 +83,15 @@ def test_accept_all_verifier_fails_the_same_test(tiny, monkeypatch):
     exact = exact_distribution(target, params)
     impossible = any(exact.get(k, 0) == 0 for k in counts)
     assert impossible or chi2_pvalue(counts, exact) < ALPHA
+
+
+def test_speculative_sampling_with_a_draft_vocabulary_matches_target(tiny):
+    """A drafter restricted to some tokens (draft_vocab) samples q over them only; the output is still the target's."""
+    target, drafter = tiny
+    drafter.draft_vocab = torch.tensor([0, 2, 3, 5, 6])
+    try:
+        params = SamplingParams(1.0)
+        p = chi2_pvalue(empirical(target, drafter, params, 3, 1500, seed0=10_000), exact_distribution(target, params))
+    finally:
+        drafter.draft_vocab = None
+    assert p > ALPHA, f"speculative samples do not follow the target distribution (chi2 p={p:.2e})"

@@ -8,9 +8,10 @@ from ..errors import FlashdraftError
 
 
 def add_train_commands(sub) -> None:
-    """Register `prepare` and `train` on the main parser's subcommands."""
+    """Register `prepare`, `train` and `draft-vocab` on the main parser's subcommands."""
     add_prepare(sub)
     add_train(sub)
+    add_draft_vocab(sub)
 
 
 def parse_int_list(text: str | None, what: str) -> list[int] | None:
@@ -170,6 +171,9 @@ def add_train(sub) -> None:
     p.add_argument("--distill-weight", type=float, default=d.distill_weight,
                    help="offline distillation: add this times the cross-entropy against the target's top-k "
                         "distribution stored by prepare --topk (renormalised over the k tokens)")
+    p.add_argument("--draft-vocab", type=int, default=d.draft_vocab, metavar="N",
+                   help="checkpoints propose only the N most frequent response tokens of the data (draft_vocab.json; "
+                        "lossless, and a much cheaper draft head on CPU); 0 = the whole vocabulary")
     p.add_argument("--selector-gold", action="store_true",
                    help="DFlash 2: where the true token is not among the candidates, it replaces the weakest one in "
                         "the selector loss (default: such positions are skipped)")
@@ -209,4 +213,37 @@ def cmd_train(args) -> int:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+    return 0
+
+
+# ---------------------------------------------------------------- draft-vocab
+
+def add_draft_vocab(sub) -> None:
+    p = sub.add_parser("draft-vocab", help="let a drafter propose only the N most frequent tokens of prepared data",
+                       description="Write DRAFTER/draft_vocab.json: the N most frequent response tokens of DATA. "
+                                   "Decoding stays lossless; the drafter's LM head shrinks to N rows. Delete the file "
+                                   "to propose from the whole vocabulary again.")
+    p.add_argument("drafter", help="drafter directory (changed in place)")
+    p.add_argument("--data", required=True, help="directory written by flashdraft prepare")
+    p.add_argument("--size", type=int, required=True, metavar="N")
+    p.set_defaults(func=cmd_draft_vocab)
+
+
+def cmd_draft_vocab(args) -> int:
+    from pathlib import Path
+
+    from ..atomic import write_text
+    from ..checkpoint import DRAFT_VOCAB, draft_vocab_json
+    from ..config import load_config
+    from .data import load_sequences
+    from .trainer import frequent_tokens
+
+    if args.size < 1:
+        raise FlashdraftError(f"--size must be >= 1, got {args.size}")
+    cfg = load_config(Path(args.drafter))
+    ids = frequent_tokens(load_sequences(args.data), args.size, cfg.vocab_size)
+    if int(ids.max()) >= cfg.vocab_size:
+        raise FlashdraftError(f"{args.data} holds token ids beyond the drafter's vocabulary; it was made for another target")
+    write_text(Path(args.drafter) / DRAFT_VOCAB, draft_vocab_json(ids))
+    print(f"flashdraft: {args.drafter} now proposes from {len(ids)} of {cfg.vocab_size} tokens", file=sys.stderr)
     return 0

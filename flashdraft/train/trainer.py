@@ -99,6 +99,7 @@ class TrainConfig:
     dev_max_new_tokens: int = 128
     dev_every: int | None = None  # steps between dev evaluations (default: --save-every); 0 = never
     time_limit: float | None = None  # minutes: stop with a checkpoint once this run has trained this long
+    draft_vocab: int = 0  # >0: checkpoints propose only the N most frequent response tokens (draft_vocab.json)
 
 
 # ---------------------------------------------------------------- mask token
@@ -389,6 +390,8 @@ def check_config(cfg: TrainConfig, world: int) -> None:
         raise FlashdraftError(f"--batch-size {cfg.batch_size} must be a multiple of the number of processes ({world})")
     if cfg.loop_stages < 1:
         raise FlashdraftError(f"--loop-stages must be >= 1 (1 = plain DFlash), got {cfg.loop_stages}")
+    if cfg.draft_vocab < 0:
+        raise FlashdraftError(f"--draft-vocab must be >= 0 (0 = whole vocabulary), got {cfg.draft_vocab}")
     if cfg.loss_vocab < 0:
         raise FlashdraftError(f"--loss-vocab must be >= 0 (0 = full vocabulary), got {cfg.loss_vocab}")
     if cfg.loss_vocab and cfg.kl_weight > 0:
@@ -615,6 +618,8 @@ def train(cfg: TrainConfig, target=None, log=print) -> dict:
     dc = drafter.config
     train_seqs, eval_seqs = prepare_sequences(cfg, dc, T.vocab_size(model))
     n_seqs = len(train_seqs) + len(eval_seqs)
+    if cfg.draft_vocab:  # inference only: the loss still covers the whole vocabulary (or --loss-vocab)
+        drafter.draft_vocab = frequent_tokens(train_seqs, cfg.draft_vocab, T.vocab_size(model))
     B = dc.block_size
     w = position_weights(B, cfg.gamma)
     frequent = None
