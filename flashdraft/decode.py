@@ -233,6 +233,22 @@ def decode(model: PreTrainedModel, prompt_ids: list[int], *, block_size: int, ma
         yield Cycle(block.tolist(), n_acc, new, stages)
 
 
+def drafter_setup(model: PreTrainedModel, drafter: torch.nn.Module | None, block_size: int, params: SamplingParams,
+                  seed: int, loop_stages: int = 1, loop_gate: float = -0.75) -> tuple[list[int], Proposer | None]:
+    """(target layer ids to collect, the drafter's proposer) for a generation; ([], None) when decoding plainly.
+
+    The proposer draws from its own generator (seed + 1), so the same seed gives the same output everywhere.
+    """
+    from .dloop import looped_proposer  # dloop builds on this module
+
+    if drafter is None or block_size <= 1:
+        return [], None
+    gen = torch.Generator(device=model.device).manual_seed(seed + 1)
+    propose = (drafter_proposer(model, drafter, params, gen) if loop_stages == 1
+               else looped_proposer(model, drafter, params, gen, loop_stages, loop_gate))
+    return list(drafter.config.target_layer_ids), propose
+
+
 def generate_ids(model: PreTrainedModel, drafter: torch.nn.Module | None, prompt_ids: list[int], *,
                  block_size: int | None = None, max_new_tokens: int = 256, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_token_ids: list[int] | tuple = (),
@@ -244,7 +260,7 @@ def generate_ids(model: PreTrainedModel, drafter: torch.nn.Module | None, prompt
     loop_stages > 1 turns on DLoop (dloop.py): after each drafting stage whose summed draft log-probability exceeds
     loop_gate, the drafter drafts another b-1 tokens after the unverified ones, up to loop_stages stages per cycle.
     """
-    from .dloop import check_loop, looped_proposer  # dloop builds on this module
+    from .dloop import check_loop  # dloop builds on this module
 
     params = SamplingParams(temperature, top_k, top_p)
     check_loop(loop_stages, loop_gate)
@@ -252,13 +268,8 @@ def generate_ids(model: PreTrainedModel, drafter: torch.nn.Module | None, prompt
         raise FlashdraftError("loop_stages applies to the drafter's own proposer; drop it or loop inside `propose`")
     if block_size is None:
         block_size = drafter.config.block_size if drafter is not None else 1
-    layer_ids: list[int] = []
-    if drafter is not None and block_size > 1:
-        layer_ids = list(drafter.config.target_layer_ids)
-        if propose is None:
-            gen = torch.Generator(device=model.device).manual_seed(seed + 1)
-            propose = (drafter_proposer(model, drafter, params, gen) if loop_stages == 1
-                       else looped_proposer(model, drafter, params, gen, loop_stages, loop_gate))
+    layer_ids, own = drafter_setup(model, drafter, block_size, params, seed, loop_stages, loop_gate)
+    propose = propose if propose is not None or not layer_ids else own
     timing = Timing()
     t0 = time.perf_counter()
     cycles, output = [], []

@@ -11,8 +11,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..decode import Cycle, Timing, decode, drafter_proposer
-from ..dloop import looped_proposer
+from ..decode import Cycle, Timing, decode, drafter_setup
 from ..models import Target
 from ..sampling import SamplingParams
 
@@ -145,12 +144,8 @@ class Engine:
         """The decode cycles for req, set up exactly as flashdraft.generate_ids does (so outputs are identical)."""
         model, drafter = self.target.model, self.drafter
         params = SamplingParams(req.temperature, req.top_k, req.top_p)
-        layer_ids, propose = [], None
-        if drafter is not None and self.block_size > 1:
-            layer_ids = list(drafter.config.target_layer_ids)
-            gen = torch.Generator(device=model.device).manual_seed(req.seed + 1)
-            propose = (drafter_proposer(model, drafter, params, gen) if self.loop_stages == 1
-                       else looped_proposer(model, drafter, params, gen, self.loop_stages, self.loop_gate))
+        layer_ids, propose = drafter_setup(model, drafter, self.block_size, params, req.seed, self.loop_stages,
+                                           self.loop_gate)
         return decode(model, req.prompt_ids, block_size=self.block_size, max_new_tokens=req.max_tokens,
                       params=params, layer_ids=layer_ids, propose=propose, seed=req.seed,
                       stop_token_ids=self.stop_ids, timing=timing)
