@@ -539,6 +539,30 @@ def test_killed_run_resumes_bit_for_bit(data_dir, tiny_dir, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow  # ~10 s: a training subprocess gets SIGTERM mid-run
+def test_sigterm_stops_training_with_a_checkpoint(data_dir, tiny_dir, tmp_path):
+    import signal
+    import time
+
+    out = tmp_path / "term"
+    argv = ["train", "--data", str(data_dir), "--target", str(tiny_dir), "--num-layers", "1", "--block-size", "4",
+            "--steps", "100000", "--batch-size", "4", "--anchors", "8", "--dtype", "float32", "--save-dtype",
+            "float32", "--eval-sequences", "2", "--eval-every", "100000", "--save-every", "100000", "--threads", "1",
+            "--out", str(out)]
+    proc = subprocess.Popen([sys.executable, "-m", "flashdraft.cli", *argv], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (out / "metrics.jsonl").is_file() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)  # the first progress line: training is under way
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    step = int((out / "latest").read_text().strip()[5:])
+    assert 0 < step < 100000 and (out / f"step_{step:07d}" / "train_state.pt").is_file()
+    assert "SIGTERM: stopping at step" in err and "Traceback" not in err
+    assert main([*argv, "--resume", "--stop-after", "2"]) == 0  # and it resumes from there
+
+
 def test_data_order_is_a_pure_function_of_step():
     assert step_indices(5, 10, 4, 0) == step_indices(5, 10, 4, 0)
     epoch0 = step_indices(0, 10, 5, 0) + step_indices(1, 10, 5, 0)

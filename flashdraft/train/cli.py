@@ -207,7 +207,8 @@ def cmd_train(args) -> int:
     if cfg.stop_after is not None and cfg.stop_after < 1:
         raise FlashdraftError(f"--stop-after must be >= 1, got {cfg.stop_after}")
     try:
-        train(cfg, log=print)
+        if train(cfg, log=print).get("interrupted"):
+            return 130  # like an interrupted shell job: a wrapper loop stops instead of starting the next chunk
     finally:
         import torch.distributed as dist
 

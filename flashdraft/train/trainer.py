@@ -18,7 +18,9 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -684,10 +686,14 @@ def train(cfg: TrainConfig, target=None, log=print) -> dict:
     t_start, step_start, last_logged = t_log, start, start
     result: dict = {}
     drafter.train()
+    interrupted = []  # SIGTERM (what `kill` and schedulers send; background jobs ignore SIGINT) ends the run cleanly
+    on_term = signal.signal(signal.SIGTERM, lambda *_: interrupted.append(True)) \
+        if threading.current_thread() is threading.main_thread() else None
     for step in range(start, last_stop):
-        if cfg.time_limit is not None and time.perf_counter() - t_start > cfg.time_limit * 60:
+        if interrupted or (cfg.time_limit is not None and time.perf_counter() - t_start > cfg.time_limit * 60):
             last_stop = step  # checkpointed below as the last step of this run
-            say(f"flashdraft: --time-limit {cfg.time_limit:g} min reached at step {step}", file=sys.stderr)
+            why = "SIGTERM" if interrupted else f"--time-limit {cfg.time_limit:g} min"
+            say(f"flashdraft: {why}: stopping at step {step} with a checkpoint", file=sys.stderr)
             break
         all_idx = step_indices(step, len(train_seqs), cfg.batch_size, cfg.seed)
         # stage 1 (plain DFlash) always; with --loop-stages S also one later stage s, loss = (L_1 + L_s) / 2
@@ -786,8 +792,11 @@ def train(cfg: TrainConfig, target=None, log=print) -> dict:
         done = last_stop
     if is_main and start < last_stop and done == last_stop and not (out / f"step_{done:07d}").is_dir():
         save_checkpoint(out, done, drafter, opt, sched, cfg, n_seqs, cpu_before + (cpu_seconds() - cpu0) * world, best)
+    if on_term is not None:
+        signal.signal(signal.SIGTERM, on_term)
     if world > 1:
         dist.barrier()  # rank 0 may still be writing the last checkpoint
+    result["interrupted"] = bool(interrupted)
     result["drafter"] = drafter
     result["final_step"] = last_stop
     return result
