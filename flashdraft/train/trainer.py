@@ -763,6 +763,8 @@ def train(cfg: TrainConfig, target=None, log=print) -> dict:
                 drafter.train()
                 row.update({f"eval_{k}": v for k, v in ev.items()})
             eta = (last_stop - done) / rate if rate > 0 else 0.0
+            if cfg.time_limit is not None:  # an open-ended run stops at its time limit first
+                eta = min(eta, max(0.0, cfg.time_limit * 60 - (time.perf_counter() - t_start)))
             line = (f"step {done}/{cfg.steps} loss {row['loss']:.3f} acc {row['acc']:.3f} τ̂ {row['tau']:.2f}"
                     + (f" | eval loss {row['eval_loss']:.3f} acc {row['eval_acc']:.3f} τ̂ {row['eval_tau']:.2f} "
                        f"acc@k% {' '.join(f'{100 * a:.0f}' for a in row['eval_acc_pos'])}" if "eval_loss" in row else "")
