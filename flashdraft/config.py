@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ class DrafterConfig:
     is_causal: bool | None = None  # the official per-layer causality switch; None: only sliding layers are causal
     attention_bias: bool = False
     hidden_act: str = "silu"
+    input_embedding_scale: float | None = None  # multiplies the block's token embeddings (DFlash 2 checkpoints)
     output_multiplier: float | None = None
     final_logit_softcapping: float | None = None
     torch_dtype: str = "bfloat16"
@@ -149,6 +151,7 @@ def config_from_dict(raw: dict, source: str = "config.json") -> DrafterConfig:
         sliding_window=raw.get("sliding_window"), is_causal=raw.get("is_causal"),
         attention_bias=bool(raw.get("attention_bias", False)),
         hidden_act=raw.get("hidden_act", "silu"),
+        input_embedding_scale=_scale(_pick(raw, dflash, "input_embedding_scale"), source),
         output_multiplier=_pick(raw, dflash, "output_multiplier"),
         final_logit_softcapping=_pick(raw, dflash, "final_logit_softcapping"),
         torch_dtype=str(dtype).replace("torch.", ""), arch=arch,
@@ -159,12 +162,21 @@ def config_from_dict(raw: dict, source: str = "config.json") -> DrafterConfig:
     )
 
 
+def _scale(value, source: str) -> float | None:
+    """input_embedding_scale: absent, or a finite positive number."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise FlashdraftError(f"{source}: input_embedding_scale must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
 def config_to_dict(cfg: DrafterConfig) -> dict:
     """The official layout: Qwen3 fields at top level, DFlash fields in dflash_config (and block_size both)."""
     d = asdict(cfg)
     dflash = {"mask_token_id": cfg.mask_token_id, "target_layer_ids": cfg.target_layer_ids,
               "block_size": cfg.block_size}
-    for key in ("output_multiplier", "final_logit_softcapping"):
+    for key in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping"):
         if d[key] is not None:
             dflash[key] = d[key]
     if cfg.arch == "dflash2":

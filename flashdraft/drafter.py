@@ -169,7 +169,8 @@ class DFlashDrafter(nn.Module):
         rope = self.rope(block_pos, block_emb)
         masks = masks or {}
         block_size = block_size or block_emb.shape[1]
-        x = block_emb
+        scale = self.config.input_embedding_scale
+        x = block_emb if scale is None else block_emb * scale
         for layer, kind, layer_ctx in zip(self.layers, self.config.layer_types, ctx):
             x = layer(x, rope, layer_ctx, masks.get(kind), block_size)
         return self.norm(x)

@@ -70,7 +70,7 @@ def drafter_hidden(drafter, feats: torch.Tensor, block_emb: torch.Tensor, start:
     is_causal = getattr(cfg, "is_causal", None)  # absent: the default rule
     c = drafter.hidden_norm(drafter.fc(feats))
     pos = list(range(start, start + block_emb.shape[0]))
-    x = block_emb
+    x = block_emb * (getattr(cfg, "input_embedding_scale", None) or 1.0)  # dflash_config.input_embedding_scale
     for layer, kind in zip(drafter.layers, cfg.layer_types):
         window = cfg.sliding_window if kind == SLIDING else None
 

@@ -186,3 +186,26 @@ def test_save_is_atomic(tmp_path, monkeypatch):
     after = load_file(str(tmp_path / "ck" / "model.safetensors"))
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert [p.name for p in tmp_path.iterdir()] == ["ck"]
+
+
+def test_input_embedding_scale_round_trips_is_applied_and_stays_lossless(tmp_path):
+    """dflash_config.input_embedding_scale (DFlash 2 checkpoints) multiplies the block embeddings, as the official
+    code and vLLM do; bad values are one-line errors."""
+    target = tiny_target()
+    plain = random_drafter(target, arch="dflash2", selector_rank=8, selector_top_k=4)
+    scaled = random_drafter(target, arch="dflash2", selector_rank=8, selector_top_k=4, input_embedding_scale=3.0)
+    save_drafter(scaled, tmp_path / "s")
+    cfg = json.loads((tmp_path / "s" / "config.json").read_text())
+    assert cfg["dflash_config"]["input_embedding_scale"] == 3.0
+    loaded = load_drafter(tmp_path / "s")
+    assert loaded.config.input_embedding_scale == 3.0
+    prompt = list(range(3, 30))
+    a = generate_ids(target, loaded, prompt, max_new_tokens=24)
+    b = generate_ids(target, plain, prompt, max_new_tokens=24)
+    assert a.output_ids == b.output_ids == hf_greedy(target, prompt, 24)
+    assert [c.block for c in a.cycles] != [c.block for c in b.cycles]  # same weights, scaled inputs: other drafts
+    for bad in (0, -1.0, "2", float("inf"), True):
+        cfg["dflash_config"]["input_embedding_scale"] = bad
+        (tmp_path / "s" / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(FlashdraftError, match="input_embedding_scale"):
+            load_drafter(tmp_path / "s")

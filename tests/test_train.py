@@ -159,8 +159,10 @@ def test_loss_weights_tau_and_chunking():
 @pytest.mark.parametrize("over", [{}, {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5},
                                   {"arch": "dflash2", "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4},
                                   {"layer_types": ["sliding_attention"] * 2, "sliding_window": 3, "is_causal": False},
-                                  {"layer_types": ["full_attention"] * 2, "is_causal": True}],
-                         ids=["full", "sliding", "dflash2", "sliding-non-causal", "full-causal"])
+                                  {"layer_types": ["full_attention"] * 2, "is_causal": True},
+                                  {"arch": "dflash2", "selector_rank": 8, "selector_top_k": 4,
+                                   "input_embedding_scale": 2.5}],
+                         ids=["full", "sliding", "dflash2", "sliding-non-causal", "full-causal", "embedding-scale"])
 def test_training_forward_matches_draft_block(tiny_llama, over):
     drafter = random_drafter(tiny_llama, block_size=8, **over)  # dflash2: random convolutions must stay in-block
     B, n = 8, 40
