@@ -17,6 +17,8 @@ from typing import Iterator
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from ..target import cache_kwarg
+
 
 class SlotLayer(DynamicLayer):
     """A cache layer over a preallocated [R, H, W, D] buffer; a forward sees rows [:n] and columns [lo:hi]."""
@@ -171,8 +173,8 @@ class Batcher:
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
         cache = DynamicCache(config=self.model.config)
         out = self.model(input_ids=ids.to(self.dev), attention_mask=mask.to(self.dev), position_ids=pos.to(self.dev),
-                         past_key_values=cache, use_cache=True, logits_to_keep=1,
-                         output_hidden_states=bool(self.layer_ids))
+                         use_cache=True, logits_to_keep=1, output_hidden_states=bool(self.layer_ids),
+                         **{cache_kwarg(self.model): cache})
         feats = self.features_of(out.hidden_states) if self.layer_ids else None
         n0 = len(self.live)
         for j, r in enumerate(new):
@@ -199,7 +201,7 @@ class Batcher:
         ids = torch.tensor([[r.ids[-1]] for r in self.live])
         pos = torch.tensor([[self.hi - r.start] for r in self.live])
         out = self.model(input_ids=ids.to(self.dev), attention_mask=mask.to(self.dev), position_ids=pos.to(self.dev),
-                         past_key_values=self.cache, use_cache=True, output_hidden_states=bool(self.layer_ids))
+                         use_cache=True, output_hidden_states=bool(self.layer_ids), **{cache_kwarg(self.model): self.cache})
         self.hi += 1
         feats = self.features_of(out.hidden_states)
         going = [j for j, r in enumerate(self.live) if not r.done]
