@@ -201,7 +201,8 @@ class Batcher:
         ids = torch.tensor([[r.ids[-1]] for r in self.live])
         pos = torch.tensor([[self.hi - r.start] for r in self.live])
         out = self.model(input_ids=ids.to(self.dev), attention_mask=mask.to(self.dev), position_ids=pos.to(self.dev),
-                         use_cache=True, output_hidden_states=bool(self.layer_ids), **{cache_kwarg(self.model): self.cache})
+                         use_cache=True, output_hidden_states=bool(self.layer_ids),
+                         **{cache_kwarg(self.model): self.cache})
         self.hi += 1
         feats = self.features_of(out.hidden_states)
         going = [j for j, r in enumerate(self.live) if not r.done]
