@@ -381,7 +381,9 @@ def prepare(target, prompts: list[str], out_dir: str | Path, *, max_new_tokens: 
             "dtype": str(next(model.parameters()).dtype).replace("torch.", "")}
     if (out / "meta.json").is_file():
         old = read_meta(out)
-        diff = [k for k in meta if k not in ("sources", "dtype", "num_prompts") and old.get(k, 0 if k == "topk" else None) != meta[k]]
+        defaults = {"topk": 0}  # sets prepared before a setting existed had its default
+        diff = [k for k in meta if k not in ("sources", "dtype", "num_prompts")
+                and old.get(k, defaults.get(k)) != meta[k]]
         if diff == ["feature_layer_ids"] and old.get("feature_layer_ids") is None:
             diff = []  # --features on a set prepared without: add features to the finished shards below
         if diff:
@@ -396,7 +398,8 @@ def prepare(target, prompts: list[str], out_dir: str | Path, *, max_new_tokens: 
     stop_ids = target.stop_token_ids()
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else (stop_ids[0] if stop_ids else 0)
     n_shards = math.ceil(len(prompts) / shard_size)
-    todo = [i for i in range(n_shards) if i % part[1] == part[0] and not shard_done(shard_dir(out, i), prompts[i * shard_size:(i + 1) * shard_size])]
+    todo = [i for i in range(n_shards) if i % part[1] == part[0]
+            and not shard_done(shard_dir(out, i), prompts[i * shard_size:(i + 1) * shard_size])]
     mine = sum(len(prompts[i * shard_size:(i + 1) * shard_size]) for i in range(n_shards) if i % part[1] == part[0])
     done_prompts = mine - sum(len(prompts[i * shard_size:(i + 1) * shard_size]) for i in todo)
     if feature_layer_ids:
