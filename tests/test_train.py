@@ -305,10 +305,10 @@ def test_dev_split_and_parts(tiny_dir, prompts_file, tmp_path):
     out = tmp_path / "parts"
     for i in (1, 0):  # two processes filling one directory: each makes its own shards
         prepare(target, train, out, max_new_tokens=8, batch_size=4, shard_size=5, part=(i, 2), dev=dev,
-                progress=False)
+                feature_layer_ids=[2], topk=3, progress=False)
         made = sorted(int(p.name[-5:]) for p in out.glob("shard_*"))
         assert made == ([1, 3] if i == 1 else list(range(len(made))))
-    assert len(load_sequences(out)) == len(train)
+    assert len(load_sequences(out, features=True, topk=True)) == len(train)
     assert [json.loads(x)["turns"][0] for x in (out / "dev.jsonl").read_text().splitlines()] == dev
 
 

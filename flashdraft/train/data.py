@@ -402,9 +402,9 @@ def prepare(target, prompts: list[str], out_dir: str | Path, *, max_new_tokens: 
             and not shard_done(shard_dir(out, i), prompts[i * shard_size:(i + 1) * shard_size])]
     mine = sum(len(prompts[i * shard_size:(i + 1) * shard_size]) for i in range(n_shards) if i % part[1] == part[0])
     done_prompts = mine - sum(len(prompts[i * shard_size:(i + 1) * shard_size]) for i in todo)
-    if feature_layer_ids:
-        add_features(model, out, [i for i in range(n_shards) if i not in todo], prompts, shard_size,
-                     feature_layer_ids, batch_size, progress)
+    if feature_layer_ids:  # finished shards made without features (not other parts' shards still to come)
+        done = [i for i in range(n_shards) if i not in todo and (shard_dir(out, i) / "tokens.safetensors").is_file()]
+        add_features(model, out, done, prompts, shard_size, feature_layer_ids, batch_size, progress)
     bar = tqdm(total=mine, initial=done_prompts, unit="seq", disable=not progress, dynamic_ncols=True,
                desc="prepare", smoothing=0.05)
     new_tokens, t0 = 0, time.perf_counter()
