@@ -427,7 +427,7 @@ def prepare(target, prompts: list[str], out_dir: str | Path, *, max_new_tokens: 
         new_tokens += len(a.ids) - a.prompt_len
         bar.update(1)
         bar.set_postfix_str(f"{new_tokens / (time.perf_counter() - t0):.0f} tok/s, "
-                            f"{n_shards - sum(1 for v in left.values() if v)}/{n_shards} shards")
+                            f"{sum(1 for v in left.values() if not v)}/{len(todo)} shards of this run")
     bar.close()
     return summarize(out, time.perf_counter() - t0, new_tokens)
 
