@@ -732,10 +732,12 @@ def test_resume_extend_accepts_grown_data_and_more_steps(tiny_dir, prompts_file,
 
 
 def test_time_limit_stops_with_a_checkpoint(data_dir, tiny_dir, tmp_path, monkeypatch):
+    import itertools
+
     from flashdraft.train import trainer
 
-    clock = iter(range(0, 10_000, 40))  # every perf_counter call advances 40 s
-    monkeypatch.setattr(trainer.time, "perf_counter", lambda: float(next(clock)))
+    clock = itertools.count(0.0, 40.0)  # every perf_counter call advances 40 s
+    monkeypatch.setattr(trainer.time, "perf_counter", lambda: next(clock))
     res = train(tiny_cfg(data_dir, tmp_path / "t", steps=50, time_limit=3.0, dev_every=0), target=load_target(str(tiny_dir)),
                 log=lambda *a, **k: None)
     assert 0 < res["final_step"] < 50
