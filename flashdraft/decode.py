@@ -269,7 +269,7 @@ def generate_ids(model: PreTrainedModel, drafter: torch.nn.Module | None, prompt
     if block_size is None:
         block_size = drafter.config.block_size if drafter is not None else 1
     layer_ids, own = drafter_setup(model, drafter, block_size, params, seed, loop_stages, loop_gate)
-    propose = propose if propose is not None or not layer_ids else own
+    propose = propose or own
     timing = Timing()
     t0 = time.perf_counter()
     cycles, output = [], []

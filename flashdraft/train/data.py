@@ -99,8 +99,8 @@ def in_dev_split(prompt: str, percent: float) -> bool:
 
 def split_dev(prompts: list[str], percent: float) -> tuple[list[str], list[str]]:
     """(training prompts, dev prompts): the dev split is never generated or trained on; it is for measuring τ."""
-    dev = [p for p in prompts if in_dev_split(p, percent)]
-    return [p for p in prompts if not in_dev_split(p, percent)], dev
+    held = [in_dev_split(p, percent) for p in prompts]
+    return [p for p, h in zip(prompts, held) if not h], [p for p, h in zip(prompts, held) if h]
 
 
 def write_dev(out_dir: str | Path, dev: list[str]) -> None:
@@ -398,10 +398,10 @@ def prepare(target, prompts: list[str], out_dir: str | Path, *, max_new_tokens: 
     stop_ids = target.stop_token_ids()
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else (stop_ids[0] if stop_ids else 0)
     n_shards = math.ceil(len(prompts) / shard_size)
-    todo = [i for i in range(n_shards) if i % part[1] == part[0]
-            and not shard_done(shard_dir(out, i), prompts[i * shard_size:(i + 1) * shard_size])]
-    mine = sum(len(prompts[i * shard_size:(i + 1) * shard_size]) for i in range(n_shards) if i % part[1] == part[0])
-    done_prompts = mine - sum(len(prompts[i * shard_size:(i + 1) * shard_size]) for i in todo)
+    chunks = {i: prompts[i * shard_size:(i + 1) * shard_size] for i in range(n_shards) if i % part[1] == part[0]}
+    todo = [i for i, chunk in chunks.items() if not shard_done(shard_dir(out, i), chunk)]
+    mine = sum(map(len, chunks.values()))
+    done_prompts = mine - sum(len(chunks[i]) for i in todo)
     if feature_layer_ids:  # finished shards made without features (not other parts' shards still to come)
         done = [i for i in range(n_shards) if i not in todo and (shard_dir(out, i) / "tokens.safetensors").is_file()]
         add_features(model, out, done, prompts, shard_size, feature_layer_ids, batch_size, progress)
@@ -410,7 +410,6 @@ def prepare(target, prompts: list[str], out_dir: str | Path, *, max_new_tokens: 
     new_tokens, t0 = 0, time.perf_counter()
     # One stream over every shard still to do, each shard's prompts shortest first: rows of the next shard start
     # while the last long answers of the previous one finish, so the batch never drains between shards.
-    chunks = {i: prompts[i * shard_size:(i + 1) * shard_size] for i in todo}
     enc = [target.encode(p, chat=chat) for i in todo for p in chunks[i]]
     where = [(i, j) for i in todo for j in range(len(chunks[i]))]
     order = sorted(range(len(enc)), key=lambda k: (where[k][0], len(enc[k])))

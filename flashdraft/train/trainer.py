@@ -689,9 +689,10 @@ def train(cfg: TrainConfig, target=None, log=print) -> dict:
     interrupted = []  # SIGTERM (what `kill` and schedulers send; background jobs ignore SIGINT) ends the run cleanly
     on_term = signal.signal(signal.SIGTERM, lambda *_: interrupted.append(True)) \
         if threading.current_thread() is threading.main_thread() else None
+    stopped_early = False
     for step in range(start, last_stop):
         if interrupted or (cfg.time_limit is not None and time.perf_counter() - t_start > cfg.time_limit * 60):
-            last_stop = step  # checkpointed below as the last step of this run
+            last_stop, stopped_early = step, True  # checkpointed below as the last step of this run
             why = "SIGTERM" if interrupted else f"--time-limit {cfg.time_limit:g} min"
             say(f"flashdraft: {why}: stopping at step {step} with a checkpoint", file=sys.stderr)
             break
@@ -790,10 +791,9 @@ def train(cfg: TrainConfig, target=None, log=print) -> dict:
             path = save_checkpoint(out, done, drafter, opt, sched, cfg, n_seqs, cpu_s, best)
             if done == last_stop:
                 say(f"flashdraft: saved {path} (use it as --drafter)", file=sys.stderr)
-    else:
-        done = last_stop
-    if is_main and start < last_stop and done == last_stop and not (out / f"step_{done:07d}").is_dir():
-        save_checkpoint(out, done, drafter, opt, sched, cfg, n_seqs, cpu_before + (cpu_seconds() - cpu0) * world, best)
+    if is_main and stopped_early and last_stop > start and not (out / f"step_{last_stop:07d}").is_dir():
+        save_checkpoint(out, last_stop, drafter, opt, sched, cfg, n_seqs, cpu_before + (cpu_seconds() - cpu0) * world,
+                        best)
     if on_term is not None:
         signal.signal(signal.SIGTERM, on_term)
     if world > 1:
