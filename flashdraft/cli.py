@@ -72,7 +72,7 @@ def cmd_generate(args) -> int:
 
     from .decode import check_args, generate_ids
     from .dloop import check_loop
-    from .models import load_drafter_for, load_target
+    from .models import load_drafter_or_plain, load_target
     from .sampling import SamplingParams
     from .target import check_prompt
 
@@ -92,15 +92,8 @@ def cmd_generate(args) -> int:
     target = load_target(args.target, dtype=args.dtype, device=device)
     ids = prompt_ids if prompt_ids is not None else target.encode(args.prompt, chat=not args.no_chat)
     check_prompt(target.model, ids)
-    drafter = load_drafter_for(target, args.drafter)
-    block_size = args.block_size
-    if drafter is None:
-        if block_size not in (None, 1):
-            raise FlashdraftError(f"--block-size {block_size} needs a drafter: pass --drafter DIR "
-                                  "(train one with `flashdraft train`) or use --block-size 1")
-        print(f"flashdraft: no drafter registered for {target.name}; decoding plainly. Pass --drafter DIR "
-              "(a z-lab format drafter) or train one with `flashdraft train`.", file=sys.stderr)
-        block_size = 1
+    drafter = load_drafter_or_plain(target, args.drafter, args.block_size)
+    block_size = args.block_size if drafter is not None else 1
     stops = target.stop_token_ids() if stops is None else stops
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=params.temperature, top_k=params.top_k,
               top_p=params.top_p, seed=args.seed, stop_token_ids=stops)

@@ -168,3 +168,15 @@ def load_drafter_for(target: Target, path: str | Path | None) -> torch.nn.Module
     check_compatible(drafter.config, T.num_layers(target.model), T.hidden_size(target.model),
                      T.vocab_size(target.model), str(path))
     return drafter
+
+
+def load_drafter_or_plain(target: Target, path: str | Path | None, block_size: int | None) -> torch.nn.Module | None:
+    """load_drafter_for for the CLI: with no drafter at all, say so and decode plainly (a block size > 1 is an error)."""
+    drafter = load_drafter_for(target, path)
+    if drafter is None:
+        if block_size not in (None, 1):
+            raise FlashdraftError(f"--block-size {block_size} needs a drafter: pass --drafter DIR "
+                                  "(train one with `flashdraft train`) or use --block-size 1")
+        print(f"flashdraft: no drafter registered for {target.name}; decoding plainly. Pass --drafter DIR "
+              "(a z-lab format drafter) or train one with `flashdraft train`.", file=sys.stderr)
+    return drafter

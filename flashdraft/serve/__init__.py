@@ -93,7 +93,7 @@ def cmd_serve(args) -> int:
     import torch
 
     from ..dloop import check_loop
-    from ..models import DEFAULT_TARGET, load_drafter_for, load_target
+    from ..models import DEFAULT_TARGET, load_drafter_or_plain, load_target
     from .engine import Engine
     from .protocol import Served
     from .scheduler import Limits, Scheduler
@@ -101,12 +101,7 @@ def cmd_serve(args) -> int:
     check_loop(args.loop_stages, args.loop_gate)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     target = load_target(args.target, dtype=args.dtype, device=device)
-    drafter = load_drafter_for(target, args.drafter)
-    if drafter is None:
-        if args.block_size not in (None, 1):
-            raise FlashdraftError(f"--block-size {args.block_size} needs a drafter: pass --drafter DIR or use "
-                                  "--block-size 1")
-        print(f"flashdraft: no drafter registered for {target.name}; serving with plain decoding.", file=sys.stderr)
+    drafter = load_drafter_or_plain(target, args.drafter, args.block_size)
     engine = Engine(target, drafter, args.block_size, args.loop_stages, args.loop_gate)
     limits = Limits(args.max_queue, args.request_timeout, args.max_body_bytes, args.shutdown_timeout)
     scheduler = Scheduler(engine, limits)
