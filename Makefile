@@ -6,8 +6,15 @@ PIP := $(PY) -m pip
 # The CPU build of torch; set TORCH_SPEC="torch>=2.5,<2.15" to let pip choose (e.g. a CUDA build on a GPU box).
 TORCH_SPEC ?= torch==2.13.0
 PROMPT ?= Explain speculative decoding in two sentences.
+# llama.cpp, built from the source that this pinned llama-cpp-python sdist vendors (keep in sync with
+# flashdraft/llamacpp.py); only the tools flashdraft runs, once, into the cache (or $FLASHDRAFT_LLAMACPP).
+LLAMACPP_VERSION := 0.3.36
+CACHE_ROOT := $(or $(FLASHDRAFT_CACHE),$(if $(XDG_CACHE_HOME),$(XDG_CACHE_HOME),$(HOME)/.cache)/flashdraft)
+LLAMACPP_HOME := $(or $(FLASHDRAFT_LLAMACPP),$(CACHE_ROOT)/llamacpp/$(LLAMACPP_VERSION))
+LLAMACPP_TOOLS := llama-server
+JOBS ?= $(shell nproc)
 
-.PHONY: install demo test test-fast clean
+.PHONY: install demo test test-fast llamacpp clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,13 +26,31 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+$(LLAMACPP_HOME)/.built: | $(VENV)/.installed
+	@command -v cmake >/dev/null && command -v c++ >/dev/null || \
+	  { echo "make llamacpp needs cmake and a C++ compiler (Debian: apt-get install cmake g++)"; exit 1; }
+	rm -rf $(LLAMACPP_HOME)/tmp $(LLAMACPP_HOME)/src && mkdir -p $(LLAMACPP_HOME)/tmp
+	$(PIP) download --quiet --no-deps --no-binary :all: llama-cpp-python==$(LLAMACPP_VERSION) -d $(LLAMACPP_HOME)/tmp
+	tar -xzf $(LLAMACPP_HOME)/tmp/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz -C $(LLAMACPP_HOME)/tmp
+	mv $(LLAMACPP_HOME)/tmp/llama_cpp_python-$(LLAMACPP_VERSION)/vendor/llama.cpp $(LLAMACPP_HOME)/src
+	rm -rf $(LLAMACPP_HOME)/tmp
+	cmake -S $(LLAMACPP_HOME)/src -B $(LLAMACPP_HOME)/build -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+	  -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+	  -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_APP=OFF > $(LLAMACPP_HOME)/cmake.log 2>&1 || { tail -20 $(LLAMACPP_HOME)/cmake.log; exit 1; }
+	cmake --build $(LLAMACPP_HOME)/build -j $(JOBS) --target $(LLAMACPP_TOOLS) > $(LLAMACPP_HOME)/build.log 2>&1 || \
+	  { tail -20 $(LLAMACPP_HOME)/build.log; exit 1; }
+	mkdir -p $(LLAMACPP_HOME)/bin && cp $(addprefix $(LLAMACPP_HOME)/build/bin/,$(LLAMACPP_TOOLS)) $(LLAMACPP_HOME)/bin/
+	touch $@
+
+llamacpp: install $(LLAMACPP_HOME)/.built
+
 demo: install
 	$(VENV)/bin/flashdraft generate "$(PROMPT)" --max-new-tokens 128 --compare-ar
 
-test: install
+test: install llamacpp
 	$(PY) -m pytest -q
 
-test-fast: install
+test-fast: install llamacpp
 	$(PY) -m pytest -q -m "not slow"
 
 clean:

@@ -1,7 +1,9 @@
-"""`flashdraft bench`: ar / hf / hf-lookup / dflash on the same prompts, target, dtype and machine.
+"""`flashdraft bench`: ar / hf / hf-lookup / dflash / llamacpp / llamacpp-dflash on the same prompts and machine.
 
-Drafter methods are swept over --drafter × --block-size × --loop-stages × --loop-gate (DLoop, dloop.py).
-A method is one small function (target, prompt ids, Settings) → Sample, registered in METHODS.
+Drafter methods are swept over --drafter × --block-size × --loop-stages × --loop-gate (DLoop, dloop.py); llama.cpp
+methods also over --gguf (target files). A method is one small function (target, prompt ids, Settings) → Sample,
+registered in METHODS. Each method has a plain baseline on the same engine (ar, or llamacpp on the same target file)
+that its speedup and its token-identity check refer to.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ HUB_DATASETS = {  # name → (hub id, config, split, record → turns)
     "alpaca": ("tatsu-lab/alpaca", None, "train",
                lambda r: [r["instruction"] + ("\n\n" + r["input"] if r.get("input") else "")]),
 }
-ALL_METHODS = "ar,hf,hf-lookup,dflash"
+ALL_METHODS = "ar,hf,hf-lookup,dflash"  # the default; llamacpp methods need `make llamacpp`
 
 
 @dataclass
@@ -46,6 +48,7 @@ class Settings:
     lookup_tokens: int = 10
     loop_stages: int = 1  # DLoop stages per cycle (1 = plain DFlash)
     loop_gate: float = -0.75
+    server: object | None = None  # a llamacpp.LlamaServer (llama.cpp methods only)
 
 
 @dataclass
@@ -145,8 +148,20 @@ def run_hf_lookup(target, ids: list[int], s: Settings) -> Sample:
     return _hf(target, ids, s, prompt_lookup_num_tokens=s.lookup_tokens)
 
 
-METHODS: dict[str, Method] = {"ar": run_ar, "hf": run_hf, "hf-lookup": run_hf_lookup, "dflash": run_dflash}
-DRAFTER_METHODS = {"dflash"}  # methods swept over --drafter × --block-size × --loop-stages × --loop-gate
+def run_llamacpp(target, ids: list[int], s: Settings) -> Sample:
+    """llama.cpp's llama-server, plain or with its built-in DFlash; times are the server's own (no HTTP)."""
+    c = s.server.complete(ids, s.max_new_tokens, s.temperature, s.top_k, s.top_p, s.seed)
+    ttft, gen = c.prompt_ms / 1000, c.predicted_ms / 1000
+    if c.draft_ms is None:
+        return Sample(c.tokens, ttft, ttft + gen)
+    draft = c.draft_ms / 1000  # llama.cpp times drafting alone; the rest of a cycle counts as verify
+    return Sample(c.tokens, ttft, ttft + gen, 1, c.acceptance_lengths, draft, max(0.0, gen - draft), 0.0)
+
+
+METHODS: dict[str, Method] = {"ar": run_ar, "hf": run_hf, "hf-lookup": run_hf_lookup, "dflash": run_dflash,
+                              "llamacpp": run_llamacpp, "llamacpp-dflash": run_llamacpp}
+DRAFTER_METHODS = {"dflash", "llamacpp-dflash"}  # swept over --drafter × --block-size (× DLoop for dflash)
+LLAMACPP_METHODS = {"llamacpp", "llamacpp-dflash"}  # swept over --gguf
 
 
 # ---------------------------------------------------------------- datasets
@@ -292,41 +307,93 @@ def loop_settings(stages: list[int], gates: list[float]) -> list[tuple[int, floa
 
 
 def variant_label(m: str, kind: str, parts: list[str]) -> str:
-    """`dflash[name,b8,s2,g-0.75]`; the dflash method is labelled by its drafter kind (dflash / dflash2)."""
-    head = kind if m == "dflash" else m
+    """`dflash2[name,b8,s2,g-0.75]`, `llamacpp-dflash2[f32,name,b8]`: drafter methods are labelled by drafter kind."""
+    head = {"dflash": kind, "llamacpp-dflash": f"llamacpp-{kind}"}.get(m, m)
     return f"{head}[{','.join(parts)}]" if parts else head
 
 
-def build_variants(target, methods: list[str], drafters: list[str | None], block_sizes: list[int],
-                   base: Settings, loop_stages: list[int] = (1,), loop_gates: list[float] = (-0.75,)) -> list[Variant]:
-    """One Variant per method, and per (drafter, block size, loop stages, gate) for drafter methods; stable labels."""
-    from .models import load_drafter_for
+@dataclass
+class Gguf:
+    """A target file for the llama.cpp methods: a short label and its path."""
 
+    label: str
+    path: Path
+
+
+def drafter_variants(target, m: str, drafters: list[str | None], block_sizes: list[int], base: Settings,
+                     loops: list[tuple[int, float]], gguf: Gguf | None, threads: int | None,
+                     servers: list) -> list[Variant]:
+    """One Variant per (drafter, block size, loop setting) of a drafter method; on llama.cpp per target file too."""
+    from .models import load_drafter_for, registered_drafter
+
+    out = []
+    for d in drafters:
+        drafter = load_drafter_for(target, d)
+        if drafter is None:
+            raise FlashdraftError(f"method {m} needs a drafter and none is registered for {target.name}: "
+                                  "pass --drafter DIR (or train one with `flashdraft train`)")
+        kind, name = drafter.config.arch, Path(d).name if d else "registered"
+        for b in block_sizes or [drafter.config.block_size]:
+            if b < 2:
+                raise FlashdraftError(f"--block-size {b}: {m} needs a block size >= 2 (block size 1 is `ar`)")
+            desc = {"method": m, "drafter": str(Path(d).resolve()) if d else name, "kind": kind, "block_size": b}
+            parts = [] if len(drafters) == 1 and len(block_sizes) <= 1 else [name, f"b{b}"]
+            if gguf is not None:
+                from .config import load_config
+                from .llamacpp import LlamaServer, cached_export
+
+                src = Path(d) if d else registered_drafter(target.name)
+                trained = load_config(src).block_size
+                if b > trained:
+                    raise FlashdraftError(f"--block-size {b}: llama.cpp caps DFlash blocks at the drafter's trained "
+                                          f"block size {trained}")
+                path = cached_export("drafter", src, "f32", target.name)
+                server = LlamaServer(gguf.path, path, b, threads, ctx_for(target))
+                servers.append(server)
+                desc |= {"gguf": str(gguf.path), "baseline": variant_label("llamacpp", "", [gguf.label])}
+                out.append(Variant(variant_label(m, kind, [gguf.label] + parts), m,
+                                   replace(base, block_size=b, server=server), desc))
+                continue
+            for stages, gate in loops:
+                label_parts, vdesc = list(parts), dict(desc)
+                if stages > 1:
+                    label_parts += [f"s{stages}", f"g{gate:g}"]
+                    vdesc |= {"loop_stages": stages, "loop_gate": gate}
+                settings = replace(base, drafter=drafter, block_size=b, loop_stages=stages, loop_gate=gate)
+                out.append(Variant(variant_label(m, kind, label_parts), m, settings, vdesc))
+    return out
+
+
+def ctx_for(target) -> int:
+    """llama-server's context: the target's, capped where its KV cache would only waste memory here."""
+    from .target import context_limit
+
+    return min(context_limit(target.model), 8192)
+
+
+def build_variants(target, methods: list[str], drafters: list[str | None], block_sizes: list[int],
+                   base: Settings, loop_stages: list[int] = (1,), loop_gates: list[float] = (-0.75,),
+                   ggufs: list[Gguf] = (), threads: int | None = None,
+                   servers: list | None = None) -> list[Variant]:
+    """One Variant per method, per (drafter, block size, loop setting) for drafter methods and per --gguf file for
+    llama.cpp methods; stable labels. llama.cpp servers are created (not started) and appended to `servers`."""
+    servers = [] if servers is None else servers
     out = []
     loops = loop_settings(list(loop_stages), list(loop_gates))
     for m in methods:
-        if m not in DRAFTER_METHODS:
-            out.append(Variant(m, m, base, {"method": m}))
-            continue
-        for d in drafters:
-            drafter = load_drafter_for(target, d)
-            if drafter is None:
-                raise FlashdraftError(f"method {m} needs a drafter and none is registered for {target.name}: "
-                                      "pass --drafter DIR (or train one with `flashdraft train`)")
-            kind = drafter.config.arch
-            for b in block_sizes or [drafter.config.block_size]:
-                if b < 2:
-                    raise FlashdraftError(f"--block-size {b}: {m} needs a block size >= 2 (block size 1 is `ar`)")
-                for stages, gate in loops:
-                    name = Path(d).name if d else "registered"
-                    parts = [] if len(drafters) == 1 and len(block_sizes) <= 1 else [name, f"b{b}"]
-                    desc = {"method": m, "drafter": str(Path(d).resolve()) if d else name, "kind": kind,
-                            "block_size": b}
-                    if stages > 1:
-                        parts += [f"s{stages}", f"g{gate:g}"]
-                        desc |= {"loop_stages": stages, "loop_gate": gate}
-                    settings = replace(base, drafter=drafter, block_size=b, loop_stages=stages, loop_gate=gate)
-                    out.append(Variant(variant_label(m, kind, parts), m, settings, desc))
+        files = list(ggufs) if m in LLAMACPP_METHODS else [None]
+        for g in files:
+            if m in DRAFTER_METHODS:
+                out += drafter_variants(target, m, drafters, block_sizes, base, loops, g, threads, servers)
+            elif g is not None:
+                from .llamacpp import LlamaServer
+
+                server = LlamaServer(g.path, threads=threads, ctx=ctx_for(target))
+                servers.append(server)
+                out.append(Variant(variant_label(m, "", [g.label]), m, replace(base, server=server),
+                                   {"method": m, "gguf": str(g.path)}))
+            else:
+                out.append(Variant(m, m, base, {"method": m}))
     labels = [v.label for v in out]
     if len(set(labels)) != len(labels):
         raise FlashdraftError(f"two method variants share a label ({labels}); give drafters distinct folder names")
@@ -409,6 +476,86 @@ def run_bench(target, datasets: dict[str, list[Prompt]], variants: list[Variant]
     return stopped
 
 
+# ---------------------------------------------------------------- cost profile
+
+PROFILE_BLOCKS = list(range(2, 17))
+
+
+def measured_taus(records: list[dict], labels: list[str], variants: dict[str, Variant]) -> dict[int, float]:
+    """τ by block size from the acceptance lengths of the largest block among labels, truncated to smaller blocks."""
+    from .profile import truncated_tau
+
+    runs = [lab for lab in labels if any(r["method"] == lab for r in records)]
+    if not runs:
+        return {}
+    top = max(runs, key=lambda lab: variants[lab].settings.block_size)
+    b_max = variants[top].settings.block_size
+    hist: dict[int, int] = {}
+    for r in records:
+        if r["method"] == top:
+            for t in r["turns"]:
+                for a in t["acceptance_lengths"]:
+                    hist[a] = hist.get(a, 0) + 1
+    return {b: truncated_tau(hist, b) for b in PROFILE_BLOCKS if b <= b_max} if hist else {}
+
+
+def run_profile(target, variants: list[Variant], datasets: dict[str, list[Prompt]], out: Path, chat: bool,
+                threads: int | None) -> dict:
+    """The cost profile of each engine in the run (torch in its dtype, llama.cpp per target file) for each drafter,
+    with break-even τ, and τ / best block size where this run measured the drafter; written to profile.json."""
+    from .atomic import write_text
+    from .config import load_config
+    from .models import load_drafter_for
+    from .profile import best_block, break_even, measure_torch, predict
+
+    records = load_records(out / "samples.jsonl")
+    by_label = {v.label: v for v in variants}
+    drafters = list(dict.fromkeys(v.desc["drafter"] for v in variants if v.method in DRAFTER_METHODS)) or [None]
+    torch_run = any(v.method not in LLAMACPP_METHODS for v in variants)
+    files = list(dict.fromkeys(v.desc["gguf"] for v in variants if v.method in LLAMACPP_METHODS))
+    ids = encode_turn(target, next(iter(datasets.values()))[0].turns, [], None, None, chat)
+    dtype = str(next(target.model.parameters()).dtype).replace("torch.", "")
+    rows = []
+    with progress() as bar:
+        task = bar.add_task("profile", total=len(drafters) * (int(torch_run) + len(files)))
+        for d in drafters:
+            mine = [v for v in variants if v.method in DRAFTER_METHODS and v.desc["drafter"] == d]
+            name = Path(d).name if d else "no drafter"
+            drafter = next((v.settings.drafter for v in mine if v.settings.drafter is not None), None)
+            if drafter is None and d is not None:
+                drafter = load_drafter_for(target, None if d == "registered" else d)
+            if torch_run:
+                bar.update(task, description=f"profile · torch {dtype} · {name}")
+                prof = measure_torch(target.model, drafter, PROFILE_BLOCKS)
+                taus = measured_taus(records, [v.label for v in mine if v.method == "dflash"]
+                                     or [v.label for v in mine], by_label)
+                rows.append({"label": f"torch {dtype} · {name}", "drafter": d, **prof, "tau_by_block": taus})
+                bar.advance(task)
+            for f in files:
+                from .llamacpp import cached_export, measure_llamacpp
+                from .models import registered_drafter
+
+                bar.update(task, description=f"profile · llama.cpp {Path(f).name} · {name}")
+                drafter_gguf, blocks = None, PROFILE_BLOCKS
+                if d is not None:
+                    src = registered_drafter(target.name) if d == "registered" else Path(d)
+                    drafter_gguf = cached_export("drafter", src, "f32", target.name)
+                    blocks = [b for b in PROFILE_BLOCKS if b <= load_config(src).block_size]
+                prof = measure_llamacpp(Path(f), drafter_gguf, blocks, ids, threads, ctx=ctx_for(target))
+                same = [v.label for v in mine if v.desc.get("gguf") == f]
+                taus = measured_taus(records, same or [v.label for v in mine], by_label)
+                rows.append({"label": f"llama.cpp {Path(f).name} · {name}", "drafter": d, **prof,
+                             "tau_by_block": taus})
+                bar.advance(task)
+    for r in rows:
+        r["break_even"] = break_even(r)
+        r["predicted"] = predict(r, r["tau_by_block"]) if r["tau_by_block"] else {}
+        r["best_block"] = best_block(r, r["tau_by_block"]) if r["tau_by_block"] else None
+    profile = {"blocks": PROFILE_BLOCKS, "profiles": rows}
+    write_text(out / "profile.json", json.dumps(profile, indent=2) + "\n")
+    return profile
+
+
 # ---------------------------------------------------------------- CLI
 
 def add_bench(sub) -> None:
@@ -418,8 +565,16 @@ def add_bench(sub) -> None:
     p.add_argument("--dataset", action="append", required=True,
                    help=f"JSONL path ({{\"turns\": [...]}} records), NAME=PATH, or one of {', '.join(HUB_DATASETS)} "
                         "(repeatable)")
-    p.add_argument("--methods", default=ALL_METHODS, help=f"comma-separated, from {', '.join(METHODS)} "
-                                                          f"(default {ALL_METHODS}; ar is always run as the reference)")
+    p.add_argument("--methods", default=ALL_METHODS,
+                   help=f"comma-separated, from {', '.join(METHODS)} (default {ALL_METHODS}; ar is always run as the "
+                        "reference, and llamacpp with llamacpp-dflash; the llamacpp methods need `make llamacpp`)")
+    p.add_argument("--gguf", action="append",
+                   help="target file for the llamacpp methods (repeatable): f32, f16, bf16 or q8_0 (the target "
+                        "exported once with llama.cpp's converter, cached), packaged (the registered target's own "
+                        "GGUF, e.g. Q4_1), or a GGUF path (default: f32)")
+    p.add_argument("--profile", action="store_true",
+                   help="after the run, measure each engine's plain step, verify(B) and draft(B) for B in 2..16 and "
+                        "print the break-even τ and best block size (cost profile)")
     p.add_argument("--target", help="registered name, local HF model dir or hub id (default: smollm2-135m-instruct)")
     p.add_argument("--drafter", action="append", help="drafter directory for dflash (repeatable; default: registered)")
     p.add_argument("--block-size", type=int, action="append", help="dflash block size (repeatable; default: drafter's)")
@@ -439,7 +594,8 @@ def add_bench(sub) -> None:
     p.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens for hf-lookup (default 10)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int,
+                   help="CPU threads for torch and llama.cpp (default: torch's choice; llama.cpp all cores)")
     p.add_argument("--no-chat", action="store_true", help="tokenize prompts as raw text, no chat template")
     p.add_argument("--no-ar", action="store_true",
                    help="skip the ar reference: no speedup vs ar and no token-identity check (for τ-only sweeps, "
@@ -458,7 +614,36 @@ def parse_methods(text: str, reference: bool = True) -> list[str]:
     methods = [m for m in dict.fromkeys(methods) if m != "ar"]
     if not reference and not methods:
         raise FlashdraftError("--no-ar leaves no method to run; add one to --methods")
+    if reference and "llamacpp-dflash" in methods and "llamacpp" not in methods:  # its baseline
+        methods.insert(methods.index("llamacpp-dflash"), "llamacpp")
     return (["ar"] if reference else []) + methods
+
+
+def resolve_ggufs(specs: list[str] | None, target_name: str) -> list[Gguf]:
+    """--gguf values → labelled target files: an outtype is exported once (cached), `packaged` is the registry's."""
+    from .llamacpp import OUTTYPES, cached_export, local_target_dir
+    from .models import REGISTRY, gguf_path
+
+    out = []
+    for spec in specs or ["f32"]:
+        if spec in OUTTYPES:
+            out.append(Gguf(spec, cached_export("target", local_target_dir(target_name), spec)))
+        elif spec == "packaged":
+            if target_name not in REGISTRY:
+                raise FlashdraftError(f"--gguf packaged: {target_name} is not a registered target with a packaged "
+                                      "GGUF; give a path or an outtype")
+            path = gguf_path(REGISTRY[target_name])
+            out.append(Gguf(path.stem.rsplit(".", 1)[-1], path))
+        else:
+            path = Path(spec)
+            if not path.is_file():
+                raise FlashdraftError(f"--gguf {spec}: no such file; give a GGUF path, packaged or one of "
+                                      f"{', '.join(OUTTYPES)}")
+            out.append(Gguf(path.stem.rsplit(".", 1)[-1], path))
+    labels = [g.label for g in out]
+    if len(set(labels)) != len(labels):
+        raise FlashdraftError(f"--gguf files share the label {labels}; rename one")
+    return out
 
 
 def parse_list(text: str, what: str, kind: type) -> list:
@@ -525,11 +710,22 @@ def cmd_bench(args) -> int:
     target = load_target(args.target, dtype=args.dtype, device=device)
     base = Settings(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed,
                     target.stop_token_ids(), lookup_tokens=args.lookup_tokens)
+    uses_llamacpp = bool(LLAMACPP_METHODS & set(methods))
+    if args.gguf and not uses_llamacpp:
+        raise FlashdraftError("--gguf is for the llamacpp methods; add llamacpp or llamacpp-dflash to --methods")
+    if uses_llamacpp:
+        from .llamacpp import tool
+        tool("llama-server")  # fail before any work when llama.cpp is not built
+    ggufs = resolve_ggufs(args.gguf, target.name) if uses_llamacpp else []
+    servers: list = []
     variants = build_variants(target, methods, args.drafter or [None], args.block_size or [], base, loop_stages,
-                              loop_gates)
+                              loop_gates, ggufs, args.threads, servers)
     config = {"target": target.name, "dtype": args.dtype, "device": device, "chat": not args.no_chat,
               "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
               "top_k": args.top_k, "seed": args.seed, "lookup_tokens": args.lookup_tokens}
+    if uses_llamacpp:
+        from .llamacpp import LLAMACPP_VERSION
+        config["llamacpp"] = LLAMACPP_VERSION
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     check_run(out, config, {v.label: v.desc for v in variants})
@@ -538,17 +734,24 @@ def cmd_bench(args) -> int:
     stopped, interrupted = None, False
     # Background jobs ignore SIGINT, so `kill` (SIGTERM) must also stop cleanly and leave a report.
     on_term = signal.signal(signal.SIGTERM, _interrupt)
+    profile = None
     try:
         stopped = run_bench(target, datasets, variants, out, not args.no_chat, args.limit_time)
+        if args.profile and not stopped:
+            profile = run_profile(target, variants, datasets, out, not args.no_chat, args.threads)
     except KeyboardInterrupt:
         stopped, interrupted = "interrupted", True
     finally:
         signal.signal(signal.SIGTERM, on_term)
+        for server in servers:
+            server.close()
     records = [r for r in load_records(out / "samples.jsonl")
                if r["dataset"] in datasets and r["method"] in {v.label for v in variants}
                and r["id"] in {p.id for p in datasets[r["dataset"]]}]
+    if profile is None and args.profile and (out / "profile.json").is_file():
+        profile = json.loads((out / "profile.json").read_text())  # a finished run resumed: its profile stands
     summary = report.summarize(records, [v.label for v in variants], config, datasets, stopped,
-                               {v.label: v.desc for v in variants})
+                               {v.label: v.desc for v in variants}, profile)
     report.write_all(out, summary)
     report.print_summary(summary, out)
     if interrupted:

@@ -80,13 +80,23 @@ def environment() -> dict:
     return env
 
 
+def baseline(label: str, desc: dict | None) -> str | None:
+    """The plain decoding a method is measured and checked against: ar, or llamacpp on the same target file."""
+    desc = desc or {}
+    if "baseline" in desc:
+        return desc["baseline"]
+    return None if label == "ar" or desc.get("method") in ("ar", "llamacpp") else "ar"
+
+
 def summarize(records: list[dict], labels: list[str], config: dict, datasets: dict, stopped: str | None,
-              variants: dict[str, dict] | None = None) -> dict:
+              variants: dict[str, dict] | None = None, profile: dict | None = None) -> dict:
     """Everything the report shows, per dataset and pooled over all datasets (variants: label → description)."""
     by: dict[str, dict[tuple, dict]] = {}
     for r in records:
         by.setdefault(r["method"], {})[(r["dataset"], r["id"])] = r
-    greedy = config["temperature"] == 0 and "ar" in labels
+    variants = variants or {}
+    bases = {m: baseline(m, variants.get(m)) for m in labels}
+    checked = [m for m in labels if bases[m] in labels] if config["temperature"] == 0 else []
     results = {}
     for scope in [*datasets, ALL]:
         keys = {(ds, p.id) for ds, ps in datasets.items() for p in ps if scope in (ALL, ds)}
@@ -95,13 +105,16 @@ def summarize(records: list[dict], labels: list[str], config: dict, datasets: di
             mine = [by[m][k] for k in sorted(keys & set(by.get(m, {})))]
             if not mine:
                 continue
-            row = {"samples": len(mine), **stats([t for r in mine for t in r["turns"]])}
+            row = {"samples": len(mine), **stats([t for r in mine for t in r["turns"]]), "baseline": bases[m]}
             vs_ar, vs_hf = compare(by, m, "ar", keys), compare(by, m, "hf", keys) if "hf" in labels else {}
-            row["speedup_vs_ar"], row["predicted_vs_ar"] = vs_ar.get("speedup"), vs_ar.get("predicted")
+            vs_plain = compare(by, m, bases[m], keys) if bases[m] else {}
+            row["speedup_vs_ar"] = vs_ar.get("speedup")
+            row["predicted_vs_ar"] = vs_ar.get("predicted") if bases[m] == "ar" else None
             row["speedup_vs_hf"] = vs_hf.get("speedup")
-            if greedy and m != "ar" and vs_ar:
-                row["turns_compared"], row["mismatches"] = vs_ar["turns_compared"], vs_ar["mismatches"]
-                row["mismatch_examples"] = vs_ar["examples"]
+            row["speedup_vs_plain"], row["predicted_vs_plain"] = vs_plain.get("speedup"), vs_plain.get("predicted")
+            if m in checked and vs_plain:
+                row["turns_compared"], row["mismatches"] = vs_plain["turns_compared"], vs_plain["mismatches"]
+                row["mismatch_examples"] = vs_plain["examples"]
             rows[m] = row
         results[scope] = rows
     overall = results[ALL]
@@ -111,8 +124,8 @@ def summarize(records: list[dict], labels: list[str], config: dict, datasets: di
             "datasets": {k: len(v) for k, v in datasets.items()},
             "runs_done": len(records), "runs_planned": planned, "complete": len(records) >= planned,
             "stopped": stopped, "results": results, "environment": environment(),
-            "written": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "correctness": {"checked": greedy, "mismatches": mism, "failed": any(v > 0 for v in mism.values()),
+            "written": time.strftime("%Y-%m-%d %H:%M:%S"), "profile": profile,
+            "correctness": {"checked": bool(checked), "mismatches": mism, "failed": any(v > 0 for v in mism.values()),
                             "turns_compared": {m: r["turns_compared"] for m, r in overall.items() if "turns_compared" in r}}}
 
 
@@ -122,16 +135,17 @@ def fmt(x, spec: str = ".2f", suffix: str = "") -> str:
     return "—" if x is None else f"{x:{spec}}{suffix}"
 
 
-COLUMNS = ["method", "samples", "τ", "stages", "decode tok/s", "× ar", "× hf", "predicted × ar", "TTFT ms",
-           "draft / verify / other ms per cycle", "mismatches"]
+COLUMNS = ["method", "samples", "τ", "stages", "decode tok/s", "× ar", "× hf", "× plain", "predicted × plain",
+           "TTFT ms", "draft / verify / other ms per cycle", "mismatches"]
 
 
 def row_cells(m: str, r: dict) -> list[str]:
     dvo = "—" if r["draft_ms"] is None else f"{r['draft_ms']:.1f} / {r['verify_ms']:.1f} / {r['other_ms']:.1f}"
     mism = "—" if "mismatches" not in r else f"{r['mismatches']}/{r['turns_compared']}"
+    plain, predicted = r.get("speedup_vs_plain"), r.get("predicted_vs_plain", r.get("predicted_vs_ar"))
     return [m, str(r["samples"]), fmt(r["tau"]), fmt(r.get("mean_stages")), fmt(r["decode_tok_s"], ".1f"),
-            fmt(r["speedup_vs_ar"], ".2f", "×"), fmt(r["speedup_vs_hf"], ".2f", "×"), fmt(r["predicted_vs_ar"], ".2f", "×"), fmt(r["ttft_ms"], ".0f"),
-            dvo, mism]
+            fmt(r["speedup_vs_ar"], ".2f", "×"), fmt(r["speedup_vs_hf"], ".2f", "×"), fmt(plain, ".2f", "×"),
+            fmt(predicted, ".2f", "×"), fmt(r["ttft_ms"], ".0f"), dvo, mism]
 
 
 def shown(s: dict) -> list[str]:
@@ -149,12 +163,13 @@ def correctness_line(s: dict) -> str:
     c = s["correctness"]
     if not c["checked"]:
         if s["config"]["temperature"] == 0:
-            return "token-identity check skipped: ar was not run (--no-ar)"
+            return "token-identity check skipped: no method ran beside its plain baseline (ar, or llamacpp on the " \
+                   "same target file); --no-ar skips them"
         return "token-identity check skipped: temperature > 0 (sampling streams differ by method)"
     if c["failed"]:
         bad = ", ".join(f"{m} on {n}/{c['turns_compared'][m]} turns" for m, n in c["mismatches"].items() if n)
-        return f"CORRECTNESS FAILURE at temperature 0: output differs from ar: {bad}"
-    return "lossless: every method reproduced ar token for token at temperature 0 " \
+        return f"CORRECTNESS FAILURE at temperature 0: output differs from its plain baseline: {bad}"
+    return "lossless: every method reproduced its plain baseline token for token at temperature 0 " \
            f"({', '.join(f'{m} {n} turns' for m, n in c['turns_compared'].items()) or 'nothing to compare'})"
 
 
@@ -187,21 +202,49 @@ def markdown(s: dict, plots: list[str]) -> str:
                 n = sum(r["stages_hist"].values())
                 st = ", ".join(f"{k}: {100 * v / n:.1f}%" for k, v in r["stages_hist"].items())
                 lines.append(f"  - drafting stages per cycle: mean {fmt(r['mean_stages'])} — {st}")
+    if s.get("profile"):
+        lines += ["", "## Cost profile", "", profile_markdown(s["profile"])]
     lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
     lines += ["", "## Definitions", "",
               "- decode tok/s: tokens after the first one / time after the first token (prefill excluded), "
               "pooled over all turns; TTFT is reported separately.",
-              "- × ar, × hf: ratio of decode tok/s to that baseline on the prompts both finished.",
+              "- × ar, × hf: ratio of decode tok/s to that baseline on the prompts both finished; × plain: the same "
+              "against the method's plain baseline on its own engine (ar for torch methods, llamacpp on the same "
+              "target file for llamacpp-dflash), which is also what its tokens are checked against.",
+              "- llama.cpp rows use llama-server's own prompt and generation timings (no HTTP time); its draft time "
+              "is llama.cpp's drafting timer, and the rest of each cycle (target pass, sampling, acceptance) is "
+              "shown as verify.",
               "- stages: mean drafting stages per cycle (DLoop: each stage drafts block size − 1 more tokens after "
               "the previous stage's unverified drafts; 1 = plain DFlash); — for methods without a drafter.",
               "- τ: mean tokens per target forward (acceptance length = accepted drafts + 1); for hf-lookup it is "
               "the mean size of the chunks `generate` hands its streamer.",
-              "- predicted × ar = T_AR · τ / (T_d + T_v + T_o), with T_AR ar's mean per-token decode time and "
-              "T_d, T_v, T_o the mean draft, verify and other time per cycle.",
-              "- Correctness: at temperature 0 each method's tokens are compared with ar's, turn by turn; "
+              "- predicted × plain = T_plain · τ / (T_d + T_v + T_o), with T_plain the baseline's mean per-token "
+              "decode time and T_d, T_v, T_o the mean draft, verify and other time per cycle.",
+              "- Correctness: at temperature 0 each method's tokens are compared with its plain baseline's, turn by turn; "
               "hf outputs are cut right after the first stop token, as flashdraft stops.",
               "- Multi-turn prompts replay earlier turns with the method's own previous answers (MT-Bench style)."]
     return "\n".join(lines) + "\n"
+
+
+def profile_markdown(p: dict) -> str:
+    """The cost-profile table and what it means."""
+    from .profile import profile_table
+
+    rows = p["profiles"]
+    table = profile_table(rows, [r["label"] for r in rows], [r.get("tau_by_block") or None for r in rows])
+    notes = ["", "Per block size B: verify(B) in plain decode steps, draft(B) in ms, and the break-even τ = "
+             "(draft(B) + verify(B)) / plain step, the acceptance length a drafter must reach to match plain "
+             "decoding on this engine. best B: the block size with the highest predicted speedup, from this run's "
+             "acceptance lengths at its largest block, truncated to smaller blocks (an approximation). torch rows are "
+             "timed on a 256-token context of random ids; llama.cpp rows inside its own DFlash loop on the first "
+             "prompt, 64 tokens per block size."]
+    for r in rows:
+        if r.get("best_block") is not None:
+            b = int(r["best_block"])
+            tau, even, pred = ({int(k): v for k, v in r[key].items()} for key in ("tau_by_block", "break_even", "predicted"))
+            notes.append(f"- {r['label']}: best B {b}: τ {tau[b]:.2f} against a break-even τ of {even[b]:.2f}, "
+                         f"predicted {pred[b]:.2f}× plain")
+    return table + "\n".join(notes) + "\n"
 
 
 def _safe(name: str) -> str:
@@ -280,6 +323,9 @@ def print_summary(s: dict, out: Path) -> None:
         for m, r in rows.items():
             table.add_row(*map(escape, row_cells(m, r)))
         console.print(table)
+    if s.get("profile"):
+        console.print("cost profile", highlight=False)
+        console.print(escape(profile_markdown(s["profile"])), highlight=False, soft_wrap=True)
     err.print(f"flashdraft: {status_line(s)}; report in {out / 'report.md'}", highlight=False, soft_wrap=True)
     if s["correctness"]["failed"]:
         err.print(f"flashdraft: {correctness_line(s)}", style="bold red", highlight=False, soft_wrap=True)

@@ -1,0 +1,142 @@
+"""The cost profile: measured plain / verify / draft times on tiny models, and the break-even arithmetic by hand."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from flashdraft.decode import generate_ids
+from flashdraft.dflash2 import upgrade_to_dflash2
+from flashdraft.errors import FlashdraftError
+from flashdraft.profile import best_block, break_even, measure_torch, predict, profile_table, truncated_tau
+from helpers import hf_greedy, random_drafter
+
+# by hand: costs at B=2: 1+12=13 → 13/10; B=4: 2+14=16 → 1.6; B=8: 4+16=20 → 2.0; B=16: 8+24=32 → 3.2
+PROFILE = {"engine": "torch", "plain_ms": 10.0, "verify_ms": {2: 12.0, 4: 14.0, 8: 16.0, 16: 24.0},
+           "draft_ms": {2: 1.0, 4: 2.0, 8: 4.0, 16: 8.0}, "context_len": 256}
+
+
+def _finite_positive(d: dict) -> bool:
+    return all(math.isfinite(v) and v > 0 for v in d.values())
+
+
+@pytest.fixture(scope="module")
+def drafter(tiny_llama):
+    return random_drafter(tiny_llama, block_size=8)
+
+
+def test_measure_torch_times_every_block_and_leaves_the_models_alone(tiny_llama, drafter):
+    before = {k: v.clone() for k, v in list(tiny_llama.state_dict().items()) + list(drafter.state_dict().items())}
+    p = measure_torch(tiny_llama, drafter, [4, 2, 16], context_len=24, repeats=2, warmup=1)
+    assert p["engine"] == "torch" and p["context_len"] == 24
+    assert p["plain_ms"] > 0 and math.isfinite(p["plain_ms"])
+    assert sorted(p["verify_ms"]) == sorted(p["draft_ms"]) == [2, 4, 16]
+    assert _finite_positive(p["verify_ms"]) and _finite_positive(p["draft_ms"])
+    assert sorted(break_even(p)) == [2, 4, 16]
+    again = measure_torch(tiny_llama, drafter, [2], context_len=24, repeats=1, warmup=0)  # nothing left behind
+    assert sorted(again["verify_ms"]) == [2]
+    after = list(tiny_llama.state_dict().items()) + list(drafter.state_dict().items())
+    assert all(torch.equal(before[k], v) for k, v in after)
+    prompt = list(range(5, 17))
+    assert generate_ids(tiny_llama, drafter, prompt, max_new_tokens=12).output_ids == hf_greedy(tiny_llama, prompt, 12)
+    json.loads(json.dumps(p))  # a profile is plain data
+
+
+def test_measure_torch_drafts_the_same_block_every_time(tiny_llama, drafter, monkeypatch):
+    import flashdraft.profile as P
+
+    calls, original = [], P.drafter_proposer
+
+    def spy(*args, **kw):
+        propose = original(*args, **kw)
+
+        def recorded(state, start, b):
+            calls.append((state.draft_cache.length, state.pending_features.shape[0], start, b))
+            return propose(state, start, b)
+        return recorded
+
+    monkeypatch.setattr(P, "drafter_proposer", spy)
+    P.measure_torch(tiny_llama, drafter, [2, 8], context_len=12, repeats=3, warmup=1)
+    # the first call fills the drafter's context cache; every later one appends one committed position at 12
+    assert calls[0] == (0, 12, 12, 2)
+    assert calls[1:] == [(11, 1, 12, 2)] * 4 + [(11, 1, 12, 8)] * 4
+
+
+def test_measure_torch_without_drafter_has_no_draft_cost(tiny_llama):
+    p = measure_torch(tiny_llama, None, [2, 8], context_len=8, repeats=1, warmup=0)
+    assert p["draft_ms"] == {} and sorted(p["verify_ms"]) == [2, 8]
+    assert break_even(p) == {b: p["verify_ms"][b] / p["plain_ms"] for b in (2, 8)}
+
+
+@pytest.mark.parametrize("kind", ["draft_vocab", "dflash2"])
+def test_measure_torch_drafter_variants(tiny_llama, drafter, kind):
+    d = (upgrade_to_dflash2(drafter, conv_group_size=16, selector_rank=8, selector_top_k=4) if kind == "dflash2"
+         else random_drafter(tiny_llama, block_size=8))
+    if kind == "draft_vocab":
+        d.draft_vocab = torch.arange(0, 96, 3)
+    p = measure_torch(tiny_llama, d, [2, 8], context_len=8, repeats=1, warmup=1)
+    assert sorted(p["draft_ms"]) == [2, 8] and _finite_positive(p["draft_ms"])
+
+
+@pytest.mark.parametrize("blocks,ctx,match", [([1, 4], 16, ">= 2"), ([], 16, ">= 2"), ([2, 16], 500, "context"),
+                                              ([2], 0, "at least 1")])
+def test_measure_torch_bad_inputs(tiny_llama, blocks, ctx, match):
+    with pytest.raises(FlashdraftError, match=match):
+        measure_torch(tiny_llama, None, blocks, context_len=ctx)  # tiny target: 512 positions
+
+
+def test_measure_torch_fits_the_context_exactly(tiny_llama):
+    p = measure_torch(tiny_llama, None, [16], context_len=512 - 16, repeats=1, warmup=0)
+    assert p["verify_ms"][16] > 0
+
+
+def test_break_even_by_hand():
+    assert break_even(PROFILE) == pytest.approx({2: 1.3, 4: 1.6, 8: 2.0, 16: 3.2})
+    partial = dict(PROFILE, draft_ms={4: 2.0})  # only block sizes with a draft cost
+    assert break_even(partial) == pytest.approx({4: 1.6})
+    assert break_even(dict(PROFILE, draft_ms={})) == pytest.approx({2: 1.2, 4: 1.4, 8: 1.6, 16: 2.4})
+    assert break_even(json.loads(json.dumps(PROFILE))) == pytest.approx(break_even(PROFILE))  # string keys
+    with pytest.raises(FlashdraftError, match="positive"):
+        break_even(dict(PROFILE, plain_ms=0.0))
+
+
+def test_truncated_tau_by_hand():
+    hist = {1: 2, 3: 1, 5: 1}
+    assert truncated_tau(hist, 2) == pytest.approx((1 + 1 + 2 + 2) / 4)
+    assert truncated_tau(hist, 4) == pytest.approx((1 + 1 + 3 + 4) / 4)
+    assert truncated_tau(hist, 16) == pytest.approx((1 + 1 + 3 + 5) / 4)  # nothing to cut: the plain mean
+    assert truncated_tau(hist, 1) == 1.0
+    assert truncated_tau({}, 4) == 0.0
+    assert truncated_tau({"2": 3}, 8) == 2.0
+    with pytest.raises(FlashdraftError):
+        truncated_tau(hist, 0)
+    with pytest.raises(FlashdraftError):
+        truncated_tau({0: 1}, 4)
+
+
+def test_predict_and_best_block_by_hand():
+    tau = {2: 1.9, 4: 3.2, 8: 5.0, 16: 6.4, 32: 9.0}  # 32 has no cost: ignored
+    assert predict(PROFILE, tau) == pytest.approx({2: 1.9 / 1.3, 4: 2.0, 8: 2.5, 16: 2.0})
+    assert best_block(PROFILE, tau) == 8
+    assert best_block(PROFILE, {4: 3.2, 16: 6.4}) == 4  # a tie goes to the smaller block
+    assert best_block(PROFILE, {2: 1.0}) == 2  # slower than plain (1/1.3), but still the best block
+    assert best_block(PROFILE, {32: 9.0}) is None
+    assert best_block(PROFILE, {}) is None
+
+
+def test_profile_table_shows_the_numbers():
+    other = {"engine": "llama.cpp", "plain_ms": 4.0, "verify_ms": {"2": 5.0, "16": 9.0}, "draft_ms": {},
+             "context_len": 128}
+    table = profile_table([PROFILE, other], ["cpu torch", "cpu gguf"], taus=[{8: 5.0, 16: 6.4}, None])
+    lines = table.strip().splitlines()
+    assert len(lines) == 4 and lines[0].startswith("| profile") and "break-even τ B=8" in lines[0]
+    torch_row, gguf_row = lines[2], lines[3]
+    for text in ["cpu torch", "torch", "256", "10.00", "1.20", "1.40", "1.60", "2.40", "4.00", "8.00", "1.30", "3.20",
+                 "8 (×2.50)"]:
+        assert text in torch_row, text
+    cells = [c.strip() for c in gguf_row.strip("|").split("|")]
+    assert cells[:6] == ["cpu gguf", "llama.cpp", "128", "4.00", "1.25", "–"]
+    assert cells[-1] == "–"
+    with pytest.raises(FlashdraftError, match="label"):
+        profile_table([PROFILE], ["a", "b"])
