@@ -500,7 +500,7 @@ def measured_taus(records: list[dict], labels: list[str], variants: dict[str, Va
 
 
 def run_profile(target, variants: list[Variant], datasets: dict[str, list[Prompt]], out: Path, chat: bool,
-                threads: int | None) -> dict:
+                threads: int | None, tokens: int = 128) -> dict:
     """The cost profile of each engine in the run (torch in its dtype, llama.cpp per target file) for each drafter,
     with break-even τ, and τ / best block size where this run measured the drafter; written to profile.json."""
     from .atomic import write_text
@@ -526,7 +526,7 @@ def run_profile(target, variants: list[Variant], datasets: dict[str, list[Prompt
                 drafter = load_drafter_for(target, None if d == "registered" else d)
             if torch_run:
                 bar.update(task, description=f"profile · torch {dtype} · {name}")
-                prof = measure_torch(target.model, drafter, PROFILE_BLOCKS)
+                prof = measure_torch(target.model, drafter, PROFILE_BLOCKS, ids, tokens)
                 taus = measured_taus(records, [v.label for v in mine if v.method == "dflash"]
                                      or [v.label for v in mine], by_label)
                 rows.append({"label": f"torch {dtype} · {name}", "drafter": d, **prof, "tau_by_block": taus})
@@ -541,7 +541,7 @@ def run_profile(target, variants: list[Variant], datasets: dict[str, list[Prompt
                     src = registered_drafter(target.name) if d == "registered" else Path(d)
                     drafter_gguf = cached_export("drafter", src, "f32", target.name)
                     blocks = [b for b in PROFILE_BLOCKS if b <= load_config(src).block_size]
-                prof = measure_llamacpp(Path(f), drafter_gguf, blocks, ids, threads, ctx=ctx_for(target))
+                prof = measure_llamacpp(Path(f), drafter_gguf, blocks, ids, threads, tokens, ctx_for(target))
                 same = [v.label for v in mine if v.desc.get("gguf") == f]
                 taus = measured_taus(records, same or [v.label for v in mine], by_label)
                 rows.append({"label": f"llama.cpp {Path(f).name} · {name}", "drafter": d, **prof,
@@ -551,7 +551,7 @@ def run_profile(target, variants: list[Variant], datasets: dict[str, list[Prompt
         r["break_even"] = break_even(r)
         r["predicted"] = predict(r, r["tau_by_block"]) if r["tau_by_block"] else {}
         r["best_block"] = best_block(r, r["tau_by_block"]) if r["tau_by_block"] else None
-    profile = {"blocks": PROFILE_BLOCKS, "profiles": rows}
+    profile = {"blocks": PROFILE_BLOCKS, "tokens": tokens, "profiles": rows}
     write_text(out / "profile.json", json.dumps(profile, indent=2) + "\n")
     return profile
 
@@ -575,6 +575,8 @@ def add_bench(sub) -> None:
     p.add_argument("--profile", action="store_true",
                    help="after the run, measure each engine's plain step, verify(B) and draft(B) for B in 2..16 and "
                         "print the break-even τ and best block size (cost profile)")
+    p.add_argument("--profile-tokens", type=int, default=128,
+                   help="tokens each profile run generates from the first prompt (default 128)")
     p.add_argument("--target", help="registered name, local HF model dir or hub id (default: smollm2-135m-instruct)")
     p.add_argument("--drafter", action="append", help="drafter directory for dflash (repeatable; default: registered)")
     p.add_argument("--block-size", type=int, action="append", help="dflash block size (repeatable; default: drafter's)")
@@ -680,6 +682,8 @@ def check_bench_args(args) -> None:
         raise FlashdraftError(f"--limit-time must be > 0 seconds, got {args.limit_time}")
     if args.threads is not None and args.threads < 1:
         raise FlashdraftError(f"--threads must be >= 1, got {args.threads}")
+    if args.profile_tokens < 2:
+        raise FlashdraftError(f"--profile-tokens must be >= 2, got {args.profile_tokens}")
     if args.lookup_tokens < 1:
         raise FlashdraftError(f"--lookup-tokens must be >= 1, got {args.lookup_tokens}")
     out = Path(args.out)
@@ -738,7 +742,7 @@ def cmd_bench(args) -> int:
     try:
         stopped = run_bench(target, datasets, variants, out, not args.no_chat, args.limit_time)
         if args.profile and not stopped:
-            profile = run_profile(target, variants, datasets, out, not args.no_chat, args.threads)
+            profile = run_profile(target, variants, datasets, out, not args.no_chat, args.threads, args.profile_tokens)
     except KeyboardInterrupt:
         stopped, interrupted = "interrupted", True
     finally:

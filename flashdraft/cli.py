@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from .errors import FlashdraftError
 
@@ -64,6 +65,11 @@ def add_generate(sub) -> None:
                         "exceeds this (default -0.75; lower = more stages)")
     p.add_argument("--json", action="store_true", help="print the machine-readable record instead of streaming text")
     p.add_argument("--compare-ar", action="store_true", help="also decode plainly and report speedup and identity")
+    p.add_argument("--engine", choices=["torch", "llamacpp"], default="torch",
+                   help="torch (default) or llamacpp: llama.cpp's own DFlash with the drafter exported to GGUF "
+                        "(needs `make llamacpp`)")
+    p.add_argument("--gguf", help="llamacpp engine: target file, as bench's --gguf (f32, f16, bf16, q8_0, packaged "
+                                  "or a path; default f32)")
     p.set_defaults(func=cmd_generate)
 
 
@@ -89,9 +95,15 @@ def cmd_generate(args) -> int:
     stops = parse_ids(args.stop_token_ids, "--stop-token-ids") if args.stop_token_ids is not None else None
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
 
+    if args.engine == "torch" and args.gguf:
+        raise FlashdraftError("--gguf is for --engine llamacpp")
+    if args.engine == "llamacpp" and args.loop_stages != 1:
+        raise FlashdraftError("--loop-stages (DLoop) runs on the torch engine only; drop it or use --engine torch")
     target = load_target(args.target, dtype=args.dtype, device=device)
     ids = prompt_ids if prompt_ids is not None else target.encode(args.prompt, chat=not args.no_chat)
     check_prompt(target.model, ids)
+    if args.engine == "llamacpp":
+        return generate_llamacpp(args, target, ids, params)
     drafter = load_drafter_or_plain(target, args.drafter, args.block_size)
     block_size = args.block_size if drafter is not None else 1
     stops = target.stop_token_ids() if stops is None else stops
@@ -123,6 +135,61 @@ def cmd_generate(args) -> int:
                     f"outputs identical: {'yes' if same else 'NO'}{note}")
     if args.json:
         print(json.dumps(record))
+    print(summary, file=sys.stderr)
+    return 0
+
+
+def generate_llamacpp(args, target, ids: list[int], params) -> int:
+    """`generate --engine llamacpp`: llama-server with its built-in DFlash (or plain), same flags and record shape."""
+    from .bench import resolve_ggufs
+    from .config import load_config
+    from .llamacpp import LlamaServer, cached_export, tool
+    from .models import REGISTRY, registered_drafter
+
+    tool("llama-server")
+    gguf = resolve_ggufs([args.gguf or "f32"], target.name)[0]
+    src = args.drafter or registered_drafter(target.name)
+    block = 1
+    if src is not None and args.block_size != 1:
+        entry = REGISTRY.get(target.name)
+        registered_block = entry.llamacpp_block_size if entry and args.drafter is None else None
+        block = args.block_size or registered_block or load_config(src).block_size
+        if block > load_config(src).block_size:
+            raise FlashdraftError(f"--block-size {block}: llama.cpp caps DFlash blocks at the drafter's trained block "
+                                  f"size {load_config(src).block_size}")
+    elif src is None:
+        if args.block_size not in (None, 1):
+            raise FlashdraftError(f"--block-size {args.block_size} needs a drafter: pass --drafter DIR")
+        print(f"flashdraft: no drafter registered for {target.name}; decoding plainly.", file=sys.stderr)
+    drafter_gguf = cached_export("drafter", Path(src), "f32", args.target) if block > 1 else None
+    kw = dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=args.seed)
+
+    def run(draft) -> tuple:
+        with LlamaServer(gguf.path, draft, block if draft else None) as server:
+            server.complete(ids, 4, **kw)  # warm-up, as torch's --compare-ar does
+            return server.complete(ids, args.max_new_tokens, **kw)
+
+    c = run(drafter_gguf)
+    text = target.decode(c.tokens)
+    tok_s = max(len(c.tokens) - 1, 0) / (c.predicted_ms / 1000) if c.predicted_ms > 0 else 0.0
+    tau = sum(c.acceptance_lengths) / len(c.acceptance_lengths) if c.acceptance_lengths else 1.0
+    record = {"output_ids": c.tokens, "text": text, "num_prompt_tokens": len(ids), "num_new_tokens": len(c.tokens),
+              "acceptance_lengths": c.acceptance_lengths,
+              "timing": {"prefill_s": c.prompt_ms / 1000, "draft_s": (c.draft_ms or 0.0) / 1000,
+                         "total_s": (c.prompt_ms + c.predicted_ms) / 1000, "tokens_per_s": tok_s},
+              "config": {"engine": "llamacpp", "gguf": str(gguf.path), "block_size": block}}
+    summary = (f"flashdraft: {len(c.tokens)} new tokens, τ {tau:.2f} over {len(c.acceptance_lengths)} cycles, "
+               f"{tok_s:.1f} tok/s (llama.cpp, {gguf.label}, block {block})")
+    if args.compare_ar:
+        plain = run(None)
+        same = plain.tokens == c.tokens
+        plain_tok_s = max(len(plain.tokens) - 1, 0) / (plain.predicted_ms / 1000)
+        record["compare_ar"] = {"identical": same, "speedup": tok_s / plain_tok_s, "ar_tokens_per_s": plain_tok_s,
+                                "ar_output_ids": plain.tokens}
+        note = "" if params.greedy else " (sampling: different random streams, identity not expected)"
+        summary += (f"\nflashdraft: llama.cpp plain {plain_tok_s:.1f} tok/s → speedup {tok_s / plain_tok_s:.2f}x; "
+                    f"outputs identical: {'yes' if same else 'NO'}{note}")
+    print(json.dumps(record) if args.json else text)
     print(summary, file=sys.stderr)
     return 0
 

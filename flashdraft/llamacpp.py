@@ -304,12 +304,13 @@ class LlamaServer:
 # ---------------------------------------------------------------- cost profile
 
 def measure_llamacpp(model: Path, drafter: Path | None, block_sizes: list[int], ids: list[int],
-                     threads: int | None = None, tokens: int = 64, ctx: int = 4096) -> dict:
+                     threads: int | None = None, tokens: int = 128, ctx: int = 4096) -> dict:
     """llama.cpp's cost profile (the shape of profile.measure_torch) measured inside its own loop on one prompt.
 
     plain_ms: generation time per token of plain decoding; for each B, a DFlash run at n_max = B - 1 gives
-    draft_ms (llama.cpp's own drafting timer, per cycle) and verify_ms (the rest of the generation time per cycle:
-    the B-token target pass plus sampling and acceptance). Runs ignore EOS so every one generates `tokens` tokens.
+    draft_ms (llama.cpp's timer around the drafter's block pass, per cycle) and verify_ms (the rest of the generation
+    time per cycle: the B-token target pass, the drafter's context update, sampling and acceptance). Runs ignore EOS
+    so every one generates `tokens` tokens.
     """
     def run(server: LlamaServer) -> Completion:
         with server:

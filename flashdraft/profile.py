@@ -1,98 +1,58 @@
 """The machine's cost profile for speculative decoding: plain step, verify(B) and draft(B), and what they imply.
 
-A profile is a plain dict, the same for every engine (llama.cpp measurements come in this shape too):
+A profile is a plain dict, the same for every engine (llama.cpp measurements come in this shape too), measured in
+each engine's own decoding loop on a real prompt:
     {"engine": str, "plain_ms": float, "verify_ms": {B: float}, "draft_ms": {B: float} ({} without a drafter),
      "context_len": int}
 From it, per block size B: the break-even τ = (draft_ms[B] + verify_ms[B]) / plain_ms, the acceptance length a drafter
 must reach to match plain decoding; with a measured τ, the predicted speedup plain_ms * τ / (draft_ms + verify_ms).
-Cycle overheads outside draft and verify (acceptance, cache rollback) are not counted, so predictions are upper bounds.
+verify_ms counts the whole rest of a cycle (target pass, acceptance, rollback), so the two add up to a cycle.
 """
 
 from __future__ import annotations
 
-import statistics
-from typing import Callable
-
-import torch
-from transformers import PreTrainedModel
-
 from . import target as T
-from .decode import DecodeState, _now, drafter_proposer
+from .decode import generate_ids
 from .errors import FlashdraftError
-from .sampling import SamplingParams
 
 
-def _median_ms(fn: Callable[[], Callable[[], None]], device: torch.device, repeats: int, warmup: int) -> float:
-    """Median wall time in ms of run() over `repeats` runs after `warmup`; fn() prepares a run and returns it."""
-    times = []
-    for i in range(warmup + repeats):
-        run = fn()
-        t0 = _now(device)
-        run()
-        if i >= warmup:
-            times.append((_now(device) - t0) * 1e3)
-    return statistics.median(times)
-
-
-def check_profile_args(model: PreTrainedModel, block_sizes: list[int], context_len: int, repeats: int) -> None:
-    """One-line errors for block sizes and contexts the measurement cannot take."""
+def check_profile_args(model, block_sizes: list[int], prompt_ids: list[int], tokens: int) -> None:
+    """One-line errors for block sizes and lengths the measurement cannot take."""
     if not block_sizes or min(block_sizes) < 2:
         raise FlashdraftError(f"profile block sizes must be >= 2 (block size 1 is the plain step), got {block_sizes}")
-    if context_len < 1:
-        raise FlashdraftError(f"the profile context must hold at least 1 token, got {context_len}")
-    if repeats < 1:
-        raise FlashdraftError(f"repeats must be >= 1, got {repeats}")
+    if tokens < 2:
+        raise FlashdraftError(f"the profile must generate at least 2 tokens per run, got {tokens}")
     limit = T.context_limit(model)
-    if context_len + max(block_sizes) > limit:
-        raise FlashdraftError(f"context {context_len} + block {max(block_sizes)} exceeds the target's context {limit}; "
-                              "use a shorter context or smaller block sizes")
+    if not prompt_ids or len(prompt_ids) + tokens > limit:
+        raise FlashdraftError(f"a prompt of {len(prompt_ids)} tokens + {tokens} generated must fit the target's "
+                              f"context of {limit}; use a shorter prompt or fewer tokens")
 
 
-@torch.inference_mode()
-def measure_torch(model: PreTrainedModel, drafter: torch.nn.Module | None, block_sizes: list[int],
-                  context_len: int = 256, repeats: int = 5, warmup: int = 2, seed: int = 0) -> dict:
-    """Median plain-step, verify(B) and draft(B) times in ms on top of a context of context_len random tokens.
+def measure_torch(model, drafter, block_sizes: list[int], prompt_ids: list[int], tokens: int = 128) -> dict:
+    """Per-cycle costs in ms inside flashdraft's own loop (greedy, stop tokens ignored, after a warm-up).
 
-    Every timing runs the code decode runs at the anchor position context_len: the plain step is the 1-token forward
-    of block-size-1 decoding (no features), verify(B) the B-token forward with the drafter's feature layers, draft(B)
-    the drafter's proposer (greedy) for B-1 drafts, including appending the previous cycle's committed features (one
-    position here, the fewest a cycle commits) to its context cache, as decode counts it in Timing.draft_s.
+    plain_ms: decode time per token at block size 1. For each B, a DFlash run gives draft_ms (the proposer's time
+    per cycle, as decode counts it) and verify_ms (the rest of a cycle: the B-token target pass, acceptance and
+    cache rollback), so draft_ms + verify_ms is what one cycle costs and break-even τ needs no other term.
     """
     block_sizes = sorted(set(block_sizes))
-    check_profile_args(model, block_sizes, context_len, repeats)
-    dev = model.device
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, T.vocab_size(model), (context_len + max(block_sizes),), generator=gen).to(dev)
-    layer_ids = list(drafter.config.target_layer_ids) if drafter is not None else []
-    cache = T.new_cache(model)
-    prefill = T.forward(model, ids[:context_len], 0, cache, layer_ids, logits_to_keep=1)
+    check_profile_args(model, block_sizes, prompt_ids, tokens)
 
-    def timed_target(n: int, feature_layers: list[int]) -> float:
-        def prepare() -> Callable[[], None]:
-            T.rollback_to(cache, context_len)  # drop the previous run's positions outside the timing, as decode does
-            return lambda: T.forward(model, ids[context_len: context_len + n], context_len, cache, feature_layers)
-        ms = _median_ms(prepare, dev, repeats, warmup)
-        T.rollback_to(cache, context_len)
-        return ms
+    def run(d, b: int, n: int):
+        return generate_ids(model, d, prompt_ids, block_size=b, max_new_tokens=n, stop_token_ids=())
 
-    plain_ms = timed_target(1, [])  # plain decoding collects no features
-    verify_ms = {b: timed_target(b, layer_ids) for b in block_sizes}
+    def per_cycle(r) -> tuple[float, float]:
+        t, n = r.timing, len(r.cycles)
+        return 1e3 * t.draft_s / n, 1e3 * (t.total_s - t.prefill_s - t.draft_s) / n
+
+    run(drafter, max(block_sizes) if drafter is not None else 1, 8)  # warm-up: first-call costs stay out
+    plain_ms = sum(per_cycle(run(None, 1, tokens)))  # the whole step
     draft_ms: dict[int, float] = {}
-    if drafter is not None:
-        propose = drafter_proposer(model, drafter, SamplingParams(0.0), gen=None)
-        feats = prefill.features
-        state = DecodeState(ids[: context_len + 1].tolist(), context_len, cache, len(ids))
-        state.add_pending(feats)
-        propose(state, context_len, 2)  # fills the drafter's context cache with all context_len positions
-
-        def prepare_draft(b: int) -> Callable[[], None]:
-            state.draft_cache.crop(context_len - 1)
-            state.pending_features = feats[-1:]
-            return lambda: propose(state, context_len, b)
-
-        draft_ms = {b: _median_ms(lambda b=b: prepare_draft(b), dev, repeats, warmup) for b in block_sizes}
+    verify_ms: dict[int, float] = {}
+    for b in block_sizes if drafter is not None else []:
+        draft_ms[b], verify_ms[b] = per_cycle(run(drafter, b, tokens))
     return {"engine": "torch", "plain_ms": plain_ms, "verify_ms": verify_ms, "draft_ms": draft_ms,
-            "context_len": context_len}
+            "context_len": len(prompt_ids) + tokens // 2}
 
 
 def _by_block(d: dict) -> dict[int, float]:

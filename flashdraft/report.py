@@ -211,9 +211,10 @@ def markdown(s: dict, plots: list[str]) -> str:
               "- × ar, × hf: ratio of decode tok/s to that baseline on the prompts both finished; × plain: the same "
               "against the method's plain baseline on its own engine (ar for torch methods, llamacpp on the same "
               "target file for llamacpp-dflash), which is also what its tokens are checked against.",
-              "- llama.cpp rows use llama-server's own prompt and generation timings (no HTTP time); its draft time "
-              "is llama.cpp's drafting timer, and the rest of each cycle (target pass, sampling, acceptance) is "
-              "shown as verify.",
+              "- llama.cpp rows use llama-server's own prompt and generation timings (no HTTP time); their draft "
+              "time is llama.cpp's timer around the drafter's block pass, and the rest of each cycle (the target "
+              "pass, the drafter's context update with the new target features, sampling, acceptance) shows as "
+              "verify.",
               "- stages: mean drafting stages per cycle (DLoop: each stage drafts block size − 1 more tokens after "
               "the previous stage's unverified drafts; 1 = plain DFlash); — for methods without a drafter.",
               "- τ: mean tokens per target forward (acceptance length = accepted drafts + 1); for hf-lookup it is "
@@ -235,9 +236,10 @@ def profile_markdown(p: dict) -> str:
     notes = ["", "Per block size B: verify(B) in plain decode steps, draft(B) in ms, and the break-even τ = "
              "(draft(B) + verify(B)) / plain step, the acceptance length a drafter must reach to match plain "
              "decoding on this engine. best B: the block size with the highest predicted speedup, from this run's "
-             "acceptance lengths at its largest block, truncated to smaller blocks (an approximation). torch rows are "
-             "timed on a 256-token context of random ids; llama.cpp rows inside its own DFlash loop on the first "
-             "prompt, 64 tokens per block size."]
+             "acceptance lengths at its largest block, truncated to smaller blocks (an approximation). Each engine is "
+             f"timed inside its own decoding loop on the run's first prompt, {p.get('tokens', '?')} tokens per block "
+             "size with stop tokens ignored; verify(B) is the rest of a cycle after drafting (target pass, "
+             "acceptance, rollback; on llama.cpp also the drafter's context update)."]
     for r in rows:
         if r.get("best_block") is not None:
             b = int(r["best_block"])
@@ -326,8 +328,8 @@ def print_summary(s: dict, out: Path) -> None:
     if s.get("profile"):
         console.print("cost profile", highlight=False)
         console.print(escape(profile_markdown(s["profile"])), highlight=False, soft_wrap=True)
-    err.print(f"flashdraft: {status_line(s)}; report in {out / 'report.md'}", highlight=False, soft_wrap=True)
+    err.print(escape(f"flashdraft: {status_line(s)}; report in {out / 'report.md'}"), highlight=False, soft_wrap=True)
     if s["correctness"]["failed"]:
-        err.print(f"flashdraft: {correctness_line(s)}", style="bold red", highlight=False, soft_wrap=True)
+        err.print(escape(f"flashdraft: {correctness_line(s)}"), style="bold red", highlight=False, soft_wrap=True)
     else:
         print(f"flashdraft: {correctness_line(s)}", file=sys.stderr)

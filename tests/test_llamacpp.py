@@ -207,7 +207,7 @@ def test_bench_runs_llamacpp_rows_beside_torch_and_profiles(built, tmp_path, cap
     out = tmp_path / "bench"
     code, stdout, err = run(capsys, "bench", "--dataset", f"q={data}", "--methods", "dflash,llamacpp-dflash",
                             "--gguf", "f32", "--gguf", "packaged", "--block-size", "4", "--max-new-tokens", "24",
-                            "--threads", "2", "--profile", "--out", str(out))
+                            "--threads", "2", "--profile", "--profile-tokens", "16", "--out", str(out))
     assert code == 0, err
     s = json.loads((out / "summary.json").read_text())
     rows = s["results"]["q"]
@@ -226,3 +226,24 @@ def test_bench_runs_llamacpp_rows_beside_torch_and_profiles(built, tmp_path, cap
         assert p["best_block"] is not None and int(p["best_block"]) <= 4  # τ is known only up to the run's block 4
     report = (out / "report.md").read_text()
     assert "## Cost profile" in report and "break-even" in report and "llamacpp-dflash2[Q4_1]" in stdout
+
+
+def test_generate_engine_options_are_checked(dirs, capsys):
+    base = ["generate", "--prompt-ids", "5,6,7", "--target", str(dirs / "target")]
+    code, _, err = run(capsys, *base, "--gguf", "f32")
+    assert code == 2 and "--gguf is for --engine llamacpp" in err, err
+    code, _, err = run(capsys, *base, "--engine", "llamacpp", "--loop-stages", "2")
+    assert code == 2 and "torch engine only" in err, err
+
+
+@pytest.mark.slow
+@pytest.mark.llamacpp
+def test_generate_on_llamacpp_equals_llamacpp_plain(built, capsys):
+    code, out, err = run(capsys, "generate", PROMPTS[0], "--engine", "llamacpp", "--block-size", "4",
+                         "--max-new-tokens", "32", "--json", "--compare-ar")
+    assert code == 0, err
+    rec = json.loads(out)
+    assert rec["compare_ar"]["identical"] and rec["output_ids"] == rec["compare_ar"]["ar_output_ids"]
+    assert rec["config"] == {"engine": "llamacpp", "gguf": rec["config"]["gguf"], "block_size": 4}
+    assert rec["num_new_tokens"] == len(rec["output_ids"]) > 0 and all(1 <= a <= 4 for a in rec["acceptance_lengths"])
+    assert "llama.cpp plain" in err and "outputs identical: yes" in err

@@ -26,47 +26,50 @@ def drafter(tiny_llama):
     return random_drafter(tiny_llama, block_size=8)
 
 
+PROMPT = list(range(5, 17))
+
+
 def test_measure_torch_times_every_block_and_leaves_the_models_alone(tiny_llama, drafter):
     before = {k: v.clone() for k, v in list(tiny_llama.state_dict().items()) + list(drafter.state_dict().items())}
-    p = measure_torch(tiny_llama, drafter, [4, 2, 16], context_len=24, repeats=2, warmup=1)
-    assert p["engine"] == "torch" and p["context_len"] == 24
+    p = measure_torch(tiny_llama, drafter, [4, 2, 16], PROMPT, tokens=24)
+    assert p["engine"] == "torch" and p["context_len"] == 12 + 12
     assert p["plain_ms"] > 0 and math.isfinite(p["plain_ms"])
     assert sorted(p["verify_ms"]) == sorted(p["draft_ms"]) == [2, 4, 16]
     assert _finite_positive(p["verify_ms"]) and _finite_positive(p["draft_ms"])
     assert sorted(break_even(p)) == [2, 4, 16]
-    again = measure_torch(tiny_llama, drafter, [2], context_len=24, repeats=1, warmup=0)  # nothing left behind
-    assert sorted(again["verify_ms"]) == [2]
     after = list(tiny_llama.state_dict().items()) + list(drafter.state_dict().items())
     assert all(torch.equal(before[k], v) for k, v in after)
-    prompt = list(range(5, 17))
-    assert generate_ids(tiny_llama, drafter, prompt, max_new_tokens=12).output_ids == hf_greedy(tiny_llama, prompt, 12)
+    assert generate_ids(tiny_llama, drafter, PROMPT, max_new_tokens=12).output_ids == hf_greedy(tiny_llama, PROMPT, 12)
     json.loads(json.dumps(p))  # a profile is plain data
 
 
-def test_measure_torch_drafts_the_same_block_every_time(tiny_llama, drafter, monkeypatch):
+def test_measure_torch_splits_each_cycle_into_draft_and_the_rest(tiny_llama, drafter, monkeypatch):
+    """draft_ms + verify_ms is the whole cycle: per B, (total - prefill) of a stop-free run over its cycles."""
     import flashdraft.profile as P
 
-    calls, original = [], P.drafter_proposer
+    runs = []
 
-    def spy(*args, **kw):
-        propose = original(*args, **kw)
+    def recorded(*args, **kw):
+        r = generate_ids(*args, **kw)
+        runs.append((kw["block_size"], kw["max_new_tokens"], kw["stop_token_ids"], r))
+        return r
 
-        def recorded(state, start, b):
-            calls.append((state.draft_cache.length, state.pending_features.shape[0], start, b))
-            return propose(state, start, b)
-        return recorded
-
-    monkeypatch.setattr(P, "drafter_proposer", spy)
-    P.measure_torch(tiny_llama, drafter, [2, 8], context_len=12, repeats=3, warmup=1)
-    # the first call fills the drafter's context cache; every later one appends one committed position at 12
-    assert calls[0] == (0, 12, 12, 2)
-    assert calls[1:] == [(11, 1, 12, 2)] * 4 + [(11, 1, 12, 8)] * 4
+    monkeypatch.setattr(P, "generate_ids", recorded)
+    p = P.measure_torch(tiny_llama, drafter, [2, 8], PROMPT, tokens=20)
+    assert [(b, n, s) for b, n, s, _ in runs] == [(8, 8, ()), (1, 20, ()), (2, 20, ()), (8, 20, ())]
+    plain, *spec = [r for *_, r in runs[1:]]
+    assert plain.num_new_tokens == 20 and len(plain.cycles) == 19
+    assert p["plain_ms"] == pytest.approx(1e3 * (plain.timing.total_s - plain.timing.prefill_s) / 19)
+    for b, r in zip([2, 8], spec):
+        t, n = r.timing, len(r.cycles)
+        assert r.num_new_tokens == 20 and p["draft_ms"][b] == pytest.approx(1e3 * t.draft_s / n)
+        assert p["draft_ms"][b] + p["verify_ms"][b] == pytest.approx(1e3 * (t.total_s - t.prefill_s) / n)
 
 
 def test_measure_torch_without_drafter_has_no_draft_cost(tiny_llama):
-    p = measure_torch(tiny_llama, None, [2, 8], context_len=8, repeats=1, warmup=0)
-    assert p["draft_ms"] == {} and sorted(p["verify_ms"]) == [2, 8]
-    assert break_even(p) == {b: p["verify_ms"][b] / p["plain_ms"] for b in (2, 8)}
+    p = measure_torch(tiny_llama, None, [2, 8], PROMPT, tokens=8)
+    assert p["draft_ms"] == {} and p["verify_ms"] == {} and p["plain_ms"] > 0
+    assert break_even(p) == {}
 
 
 @pytest.mark.parametrize("kind", ["draft_vocab", "dflash2"])
@@ -75,20 +78,16 @@ def test_measure_torch_drafter_variants(tiny_llama, drafter, kind):
          else random_drafter(tiny_llama, block_size=8))
     if kind == "draft_vocab":
         d.draft_vocab = torch.arange(0, 96, 3)
-    p = measure_torch(tiny_llama, d, [2, 8], context_len=8, repeats=1, warmup=1)
+    p = measure_torch(tiny_llama, d, [2, 8], PROMPT, tokens=8)
     assert sorted(p["draft_ms"]) == [2, 8] and _finite_positive(p["draft_ms"])
 
 
-@pytest.mark.parametrize("blocks,ctx,match", [([1, 4], 16, ">= 2"), ([], 16, ">= 2"), ([2, 16], 500, "context"),
-                                              ([2], 0, "at least 1")])
-def test_measure_torch_bad_inputs(tiny_llama, blocks, ctx, match):
+@pytest.mark.parametrize("blocks,prompt,tokens,match", [([1, 4], PROMPT, 8, ">= 2"), ([], PROMPT, 8, ">= 2"),
+                                                        ([2], list(range(500)), 16, "context"),
+                                                        ([2], [], 8, "context"), ([2], PROMPT, 1, "at least 2")])
+def test_measure_torch_bad_inputs(tiny_llama, blocks, prompt, tokens, match):
     with pytest.raises(FlashdraftError, match=match):
-        measure_torch(tiny_llama, None, blocks, context_len=ctx)  # tiny target: 512 positions
-
-
-def test_measure_torch_fits_the_context_exactly(tiny_llama):
-    p = measure_torch(tiny_llama, None, [16], context_len=512 - 16, repeats=1, warmup=0)
-    assert p["verify_ms"][16] > 0
+        measure_torch(tiny_llama, None, blocks, prompt, tokens)  # tiny target: 512 positions
 
 
 def test_break_even_by_hand():
