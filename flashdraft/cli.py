@@ -151,12 +151,12 @@ def generate_llamacpp(args, target, ids: list[int], params) -> int:
     src = args.drafter or registered_drafter(target.name)
     block = 1
     if src is not None and args.block_size != 1:
-        entry = REGISTRY.get(target.name)
+        entry, trained = REGISTRY.get(target.name), load_config(src).block_size
         registered_block = entry.llamacpp_block_size if entry and args.drafter is None else None
-        block = args.block_size or registered_block or load_config(src).block_size
-        if block > load_config(src).block_size:
+        block = args.block_size or registered_block or trained
+        if block > trained:
             raise FlashdraftError(f"--block-size {block}: llama.cpp caps DFlash blocks at the drafter's trained block "
-                                  f"size {load_config(src).block_size}")
+                                  f"size {trained}")
     elif src is None:
         if args.block_size not in (None, 1):
             raise FlashdraftError(f"--block-size {args.block_size} needs a drafter: pass --drafter DIR")
@@ -164,14 +164,17 @@ def generate_llamacpp(args, target, ids: list[int], params) -> int:
     drafter_gguf = cached_export("drafter", Path(src), "f32", args.target) if block > 1 else None
     kw = dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=args.seed)
 
-    def run(draft) -> tuple:
+    def run(draft):
         with LlamaServer(gguf.path, draft, block if draft else None) as server:
             server.complete(ids, 4, **kw)  # warm-up, as torch's --compare-ar does
             return server.complete(ids, args.max_new_tokens, **kw)
 
+    def tokens_per_s(c) -> float:  # decode tok/s as bench counts it: tokens after the first / generation time
+        return max(len(c.tokens) - 1, 0) / (c.predicted_ms / 1000) if c.predicted_ms > 0 else 0.0
+
     c = run(drafter_gguf)
     text = target.decode(c.tokens)
-    tok_s = max(len(c.tokens) - 1, 0) / (c.predicted_ms / 1000) if c.predicted_ms > 0 else 0.0
+    tok_s = tokens_per_s(c)
     tau = sum(c.acceptance_lengths) / len(c.acceptance_lengths) if c.acceptance_lengths else 1.0
     record = {"output_ids": c.tokens, "text": text, "num_prompt_tokens": len(ids), "num_new_tokens": len(c.tokens),
               "acceptance_lengths": c.acceptance_lengths,
@@ -183,11 +186,12 @@ def generate_llamacpp(args, target, ids: list[int], params) -> int:
     if args.compare_ar:
         plain = run(None)
         same = plain.tokens == c.tokens
-        plain_tok_s = max(len(plain.tokens) - 1, 0) / (plain.predicted_ms / 1000)
-        record["compare_ar"] = {"identical": same, "speedup": tok_s / plain_tok_s, "ar_tokens_per_s": plain_tok_s,
+        plain_tok_s = tokens_per_s(plain)
+        speedup = tok_s / plain_tok_s if plain_tok_s > 0 else float("nan")
+        record["compare_ar"] = {"identical": same, "speedup": speedup, "ar_tokens_per_s": plain_tok_s,
                                 "ar_output_ids": plain.tokens}
         note = "" if params.greedy else " (sampling: different random streams, identity not expected)"
-        summary += (f"\nflashdraft: llama.cpp plain {plain_tok_s:.1f} tok/s → speedup {tok_s / plain_tok_s:.2f}x; "
+        summary += (f"\nflashdraft: llama.cpp plain {plain_tok_s:.1f} tok/s → speedup {speedup:.2f}x; "
                     f"outputs identical: {'yes' if same else 'NO'}{note}")
     print(json.dumps(record) if args.json else text)
     print(summary, file=sys.stderr)
