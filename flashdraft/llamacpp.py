@@ -218,7 +218,9 @@ class LlamaServer:
         deadline = time.monotonic() + self.startup_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise FlashdraftError(f"llama-server exited while loading {self.model.name}: {self.last_error()}")
+                why = self.last_error()
+                self.close()
+                raise FlashdraftError(f"llama-server exited while loading {self.model.name}: {why}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
                     if r.status == 200:

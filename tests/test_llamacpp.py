@@ -247,3 +247,13 @@ def test_generate_on_llamacpp_equals_llamacpp_plain(built, capsys):
     assert rec["config"] == {"engine": "llamacpp", "gguf": rec["config"]["gguf"], "block_size": 4}
     assert rec["num_new_tokens"] == len(rec["output_ids"]) > 0 and all(1 <= a <= 4 for a in rec["acceptance_lengths"])
     assert "llama.cpp plain" in err and "outputs identical: yes" in err
+
+
+@pytest.mark.llamacpp
+def test_a_file_llama_server_cannot_load_is_one_line_and_leaves_nothing(built, tmp_path):
+    bad = tmp_path / "not-a-model.gguf"
+    bad.write_bytes(b"GGUF but not really")
+    server = L.LlamaServer(bad, threads=1, startup_s=60)
+    with pytest.raises(L.FlashdraftError, match="llama-server exited while loading not-a-model.gguf"):
+        server.start()
+    assert server.proc is None and server.log is None
