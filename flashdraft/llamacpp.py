@@ -8,6 +8,7 @@ time), which returns token ids and its own prompt / generation timings, so HTTP 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -135,13 +136,21 @@ def export_target(target: str | None, out: str | Path, outtype: str = "f32") -> 
     return convert(local_target_dir(target), Path(out), outtype)
 
 
+@functools.lru_cache(maxsize=None)
+def _file_digest(path: Path, size: int, mtime_ns: int) -> str:
+    """sha256 of one file; memoised by (path, size, mtime) since a bench exports per variant from the same files."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def _digest(paths: list[Path]) -> str:
     h = hashlib.sha256(LLAMACPP_VERSION.encode())
     for p in paths:
-        h.update(p.name.encode())
-        with open(p, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
+        st = p.stat()
+        h.update(p.name.encode() + _file_digest(p.resolve(), st.st_size, st.st_mtime_ns).encode())
     return h.hexdigest()[:16]
 
 
