@@ -700,6 +700,7 @@ def cmd_bench(args) -> int:
 
     from . import report
     from .models import load_target
+    from .packed import is_packed
 
     check_bench_args(args)
     methods = parse_methods(args.methods, reference=not args.no_ar)
@@ -726,7 +727,8 @@ def cmd_bench(args) -> int:
                               loop_gates, ggufs, args.threads, servers)
     config = {"target": target.name, "dtype": args.dtype, "device": device, "chat": not args.no_chat,
               "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
-              "top_k": args.top_k, "seed": args.seed, "lookup_tokens": args.lookup_tokens}
+              "top_k": args.top_k, "seed": args.seed, "lookup_tokens": args.lookup_tokens,
+              "packed_linears": is_packed(target.model)}
     if uses_llamacpp:
         from .llamacpp import LLAMACPP_VERSION
         config["llamacpp"] = LLAMACPP_VERSION

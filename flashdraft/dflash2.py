@@ -62,8 +62,9 @@ class CandidateSelector(nn.Module):
     def pair_scores(self, hidden: torch.Tensor, prev: torch.Tensor, cand: torch.Tensor,
                     cand_scores: torch.Tensor) -> torch.Tensor:
         """hidden [..., H], prev [...], cand [..., k], cand_scores [..., k] → S(prev, cand) [..., k]."""
-        ctx = self.predecessor_codebook[prev] * self.hidden_projection(hidden)  # [..., r]
-        return cand_scores + torch.einsum("...r,...kr->...k", ctx, self.successor_codebook[cand])
+        w = self.hidden_projection.weight  # scores in float32 whatever the drafter's dtype (bf16 drafters too)
+        ctx = self.predecessor_codebook[prev].float() * self.hidden_projection(hidden.to(w.dtype)).float()  # [..., r]
+        return cand_scores + torch.einsum("...r,...kr->...k", ctx, self.successor_codebook[cand].float())
 
     def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: int, temperature: float,
              gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -10,6 +10,7 @@ from torch import nn
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
 from .config import DrafterConfig, layer_attention
+from .packed import is_packed, linear, pack_weight
 
 KV = tuple[torch.Tensor, torch.Tensor]  # each [b, kv_heads, n, head_dim]
 
@@ -196,8 +197,10 @@ class DFlashDrafter(nn.Module):
         key = (w.data_ptr(), w.dtype, w.device, self.draft_vocab.data_ptr())
         if self._draft_head is None or self._draft_head[0] != key:
             ids = self.draft_vocab.to(w.device)
-            self._draft_head = (key, w[ids].contiguous(), None if lm_head.bias is None else lm_head.bias[ids])
-        sub = self.scale_logits(F.linear(hidden.to(w.dtype), self._draft_head[1], self._draft_head[2]))
+            rows = w[ids].detach().contiguous()  # the target's head is frozen, so its packed rows never go stale
+            self._draft_head = (key, pack_weight(rows) if is_packed(lm_head) else rows,
+                                None if lm_head.bias is None else lm_head.bias[ids])
+        sub = self.scale_logits(linear(hidden.to(w.dtype), self._draft_head[1], self._draft_head[2]))
         full = sub.new_full((*sub.shape[:-1], w.shape[0]), float("-inf"))
         full[..., self.draft_vocab.to(full.device)] = sub
         return full

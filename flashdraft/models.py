@@ -14,6 +14,7 @@ from .atomic import atomic_dir
 from .checkpoint import check_compatible, load_drafter, parse_dtype
 from .errors import FlashdraftError
 from . import target as T
+from .packed import is_packed, pack_linears
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 DRAFTERS_DIR = Path(__file__).parent / "drafters"
@@ -122,8 +123,12 @@ def resolve_target(name: str | None) -> str:
     return name
 
 
-def load_target(name: str | None = None, dtype: str | torch.dtype = "float32", device: str = "cpu") -> Target:
-    """Load a target: a registered name (default SmolLM2-135M-Instruct), a local HF directory or a hub id."""
+def load_target(name: str | None = None, dtype: str | torch.dtype = "float32", device: str = "cpu",
+                packed: bool = True) -> Target:
+    """Load a target: a registered name (default SmolLM2-135M-Instruct), a local HF directory or a hub id.
+
+    packed: on CPU, run its linear layers on oneDNN-packed copies of their weights (flashdraft.packed).
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -144,7 +149,10 @@ def load_target(name: str | None = None, dtype: str | torch.dtype = "float32", d
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local)
     except (OSError, ValueError, TypeError):
         tokenizer = None
-    return Target(model.to(device).eval(), tokenizer, name)
+    model = model.to(device).eval()
+    if packed:
+        pack_linears(model)
+    return Target(model, tokenizer, name)
 
 
 def registered_drafter(target_name: str) -> Path | None:
@@ -165,6 +173,8 @@ def load_drafter_for(target: Target, path: str | Path | None) -> torch.nn.Module
         return None
     dtype = next(target.model.parameters()).dtype
     drafter = load_drafter(path, dtype=dtype, device=str(target.model.device))
+    if is_packed(target.model):  # the drafter runs on the same path as the target it drafts for
+        pack_linears(drafter)
     if registered and REGISTRY[target.name].block_size:
         drafter.config.block_size = REGISTRY[target.name].block_size
     check_compatible(drafter.config, T.num_layers(target.model), T.hidden_size(target.model),

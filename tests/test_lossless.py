@@ -101,9 +101,20 @@ def test_context_limit_stops_like_the_target():
         assert all(len(c.block) <= 64 - 55 for c in res.cycles)
 
 
-def test_bf16_target_and_drafter_run():
-    """bf16 runs end to end; the lossless claim is tested in fp32 (bf16 block/step numerics may differ)."""
-    target = tiny_target("qwen3").to(torch.bfloat16)
-    drafter = random_drafter(target).to(torch.bfloat16)
+@pytest.mark.parametrize("dflash2", [False, True])
+@pytest.mark.parametrize("packed", [False, True])
+def test_bf16_target_and_drafter_run(dflash2, packed):
+    """bf16 runs end to end (DFlash 2's selector and oneDNN-packed layers too); the lossless claim is tested in
+    fp32 (bf16 block/step numerics may differ)."""
+    from flashdraft.dflash2 import upgrade_to_dflash2
+    from flashdraft.packed import pack_linears
+
+    target = tiny_target("qwen3")
+    drafter = random_drafter(target)
+    if dflash2:
+        drafter = upgrade_to_dflash2(drafter, conv_group_size=16, selector_rank=8, selector_top_k=4)
+    target, drafter = target.to(torch.bfloat16), drafter.to(torch.bfloat16)
+    if packed:
+        assert pack_linears(target) and pack_linears(drafter)
     res = generate_ids(target, drafter, list(range(3, 20)), block_size=8, max_new_tokens=20)
     assert res.num_new_tokens == 20 and all(0 <= t < target.config.vocab_size for t in res.output_ids)

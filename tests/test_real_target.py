@@ -66,3 +66,19 @@ def test_shipped_drafter_is_registered_lossless_and_accepts(smol):
     looped = generate_ids(target.model, drafter, ids, max_new_tokens=64, stop_token_ids=target.stop_token_ids(),
                           loop_stages=2, loop_gate=-2.0)
     assert_greedy_lossless(target.model, ids, looped.output_ids, ref)
+
+
+def test_packed_layers_decode_like_the_plain_torch_target(smol):
+    """The default CPU path (oneDNN-packed linears) against the same target on torch's own linears."""
+    from flashdraft.models import load_drafter_for
+    from flashdraft.packed import is_packed
+
+    target, _ = smol
+    plain = load_target(dtype="float32", packed=False)
+    assert is_packed(target.model) and not is_packed(plain.model)
+    drafter = load_drafter_for(target, None)
+    assert is_packed(drafter) and not is_packed(load_drafter_for(plain, None))
+    ids = target.encode("Write a Python function that returns the n-th Fibonacci number.")
+    ref = hf_greedy(plain.model, ids, 48)
+    res = generate_ids(target.model, drafter, ids, max_new_tokens=48, stop_token_ids=target.stop_token_ids())
+    assert_greedy_lossless(plain.model, ids, res.output_ids, ref)
