@@ -762,3 +762,25 @@ def test_blockwise_attention_equals_dense_attention(layer, is_causal, window):
                                                              torch.cat([v_ctx, v_blk], 2), attn_mask=mask)
     torch.testing.assert_close(blockwise_attention(q, k_ctx, v_ctx, k_blk, v_blk, mask, L), dense,
                                atol=1e-5, rtol=1e-5)
+
+
+def test_training_on_several_data_directories(data_dir, topk_dir, tiny_dir, tmp_path, capsys):
+    """--data DIR --data DIR2 trains on both sets; directories prepared with other feature layers are refused."""
+    from flashdraft.train.data import load_all
+
+    both = load_all([str(data_dir), str(topk_dir)], features=True)
+    assert len(both) == len(load_sequences(data_dir)) + len(load_sequences(topk_dir))
+    other = tmp_path / "layer1"
+    target = load_target(str(tiny_dir))
+    prepare(target, ["abc def", "ghi jkl"], other, max_new_tokens=20, batch_size=2, feature_layer_ids=[1],
+            progress=False)
+    with pytest.raises(FlashdraftError, match="feature_layer_ids"):
+        load_all([str(data_dir), str(other)], features=True)
+    assert len(load_all([str(data_dir), str(other)])) == len(load_sequences(data_dir)) + 2  # tokens only: fine
+    out = tmp_path / "run"
+    assert main(["train", "--data", str(topk_dir), "--data", str(data_dir), "--out", str(out), "--target",
+                 str(tiny_dir), "--offline", "--num-layers", "1", "--block-size", "4", "--steps", "2",
+                 "--batch-size", "2", "--dtype", "float32", "--eval-sequences", "2", "--save-every", "2"]) == 0
+    st = torch.load(out / "step_0000002" / "train_state.pt", weights_only=False)
+    assert st["num_sequences"] > len(load_sequences(topk_dir))  # more than the first directory alone
+    assert "dev.jsonl" in capsys.readouterr().err  # dev τ on the first directory's split (data_dir has none)

@@ -127,7 +127,9 @@ def add_train(sub) -> None:
     p = sub.add_parser("train", help="train a DFlash drafter on prepared data",
                        description="Train a block-diffusion drafter against a frozen target (DESIGN.md §4). "
                                    "Multi-GPU / multi-process: torchrun --nproc_per_node=N -m flashdraft.cli train ...")
-    p.add_argument("--data", required=True, help="directory written by flashdraft prepare")
+    p.add_argument("--data", required=True, action="append", metavar="DIR",
+                   help="directory written by flashdraft prepare (repeatable: train on several together; dev τ uses "
+                        "the first one's dev.jsonl unless --dev-prompts)")
     p.add_argument("--out", required=True, help="checkpoint directory (step_N/ are z-lab drafters, usable as --drafter)")
     p.add_argument("--target", help="registered name, local HF model dir or hub id (default: smollm2-135m-instruct)")
     p.add_argument("--init-from", help="start from this drafter directory instead of random weights")
@@ -204,6 +206,8 @@ def cmd_train(args) -> int:
     set_threads(args.threads)
     keys = TrainConfig.__dataclass_fields__
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in keys})
+    if len(cfg.data) == 1:
+        cfg.data = cfg.data[0]  # one directory stays a string, as runs made before several were allowed store it
     if cfg.stop_after is not None and cfg.stop_after < 1:
         raise FlashdraftError(f"--stop-after must be >= 1, got {cfg.stop_after}")
     try:
@@ -225,7 +229,8 @@ def add_draft_vocab(sub) -> None:
                                    "Decoding stays lossless; the drafter's LM head shrinks to N rows. Delete the file "
                                    "to propose from the whole vocabulary again.")
     p.add_argument("drafter", help="drafter directory (changed in place)")
-    p.add_argument("--data", required=True, help="directory written by flashdraft prepare")
+    p.add_argument("--data", required=True, action="append", metavar="DIR",
+                   help="directory written by flashdraft prepare (repeatable)")
     p.add_argument("--size", type=int, required=True, metavar="N")
     p.set_defaults(func=cmd_draft_vocab)
 
@@ -236,15 +241,16 @@ def cmd_draft_vocab(args) -> int:
     from ..atomic import write_text
     from ..checkpoint import DRAFT_VOCAB, draft_vocab_json
     from ..config import load_config
-    from .data import load_sequences
+    from .data import load_all
     from .trainer import frequent_tokens
 
     if args.size < 1:
         raise FlashdraftError(f"--size must be >= 1, got {args.size}")
     cfg = load_config(Path(args.drafter))
-    ids = frequent_tokens(load_sequences(args.data), args.size, cfg.vocab_size)
+    ids = frequent_tokens(load_all(args.data), args.size, cfg.vocab_size)
     if int(ids.max()) >= cfg.vocab_size:
-        raise FlashdraftError(f"{args.data} holds token ids beyond the drafter's vocabulary; it was made for another target")
+        raise FlashdraftError(f"{' + '.join(args.data)} holds token ids beyond the drafter's vocabulary; "
+                              "it was made for another target")
     write_text(Path(args.drafter) / DRAFT_VOCAB, draft_vocab_json(ids))
     print(f"flashdraft: {args.drafter} now proposes from {len(ids)} of {cfg.vocab_size} tokens", file=sys.stderr)
     return 0

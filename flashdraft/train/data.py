@@ -330,6 +330,23 @@ def load_sequences(data_dir: str | Path, features: bool = False, topk: bool = Fa
     return seqs
 
 
+def data_dirs(data: str | list[str]) -> list[str]:
+    """--data as a list: one prepared directory (a string, as older runs stored it) or several."""
+    return [data] if isinstance(data, str) else list(data)
+
+
+def load_all(data: str | list[str], features: bool = False, topk: bool = False) -> list[Sequence]:
+    """load_sequences over several prepared directories, in order; they must come from the same target and layers."""
+    dirs = data_dirs(data)
+    metas = [read_meta(d) for d in dirs]
+    for d, m in zip(dirs[1:], metas[1:]):
+        for key in ("target", "feature_layer_ids") if features else ("target",):
+            if m.get(key) != metas[0].get(key):
+                raise FlashdraftError(f"--data {d} has {key} {m.get(key)!r} but {dirs[0]} has {metas[0].get(key)!r}; "
+                                      "train on directories prepared alike")
+    return [s for d in dirs for s in load_sequences(d, features, topk)]
+
+
 def dir_size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 

@@ -35,7 +35,7 @@ from ..checkpoint import build_drafter, check_compatible, load_drafter, parse_dt
 from ..config import drafter_config_for
 from ..dflash2 import selector_loss, upgrade_to_dflash2
 from ..errors import FlashdraftError
-from .data import Sequence, load_sequences, read_meta, right_pad
+from .data import Sequence, data_dirs, load_all, read_meta, right_pad
 from .loss import (block_loss, loss_vocabulary, mean_loss, position_accuracy, position_weights, remap_labels,
                    tau_hat)
 from .mask import block_positions, eligible_anchors, pad_anchors, sample_anchors, training_masks
@@ -55,7 +55,7 @@ EXTEND_KEYS = ("data", "steps", "warmup_steps")
 class TrainConfig:
     """Everything a training run depends on (CLI flags map 1:1)."""
 
-    data: str
+    data: str | list[str]  # one prepared directory, or several trained on together
     out: str
     target: str | None = None
     init_from: str | None = None
@@ -415,22 +415,22 @@ def check_config(cfg: TrainConfig, world: int) -> None:
 
 def prepare_sequences(cfg: TrainConfig, drafter_cfg, vocab: int) -> tuple[list[Sequence], list[Sequence]]:
     """Load the data, keep sequences with at least one whole supervised block, split off the held-out set."""
-    meta = read_meta(cfg.data)
-    if cfg.offline:
-        stored = meta.get("feature_layer_ids")
+    where = " + ".join(data_dirs(cfg.data))
+    for d in data_dirs(cfg.data) if cfg.offline else []:
+        stored = read_meta(d).get("feature_layer_ids")
         if stored != list(drafter_cfg.target_layer_ids):
-            raise FlashdraftError(f"{cfg.data} stores features of target layers {stored} but the drafter needs "
+            raise FlashdraftError(f"{d} stores features of target layers {stored} but the drafter needs "
                                   f"{drafter_cfg.target_layer_ids}; re-run prepare --features with --feature-layer-ids "
                                   f"{','.join(map(str, drafter_cfg.target_layer_ids))} or train online")
-    seqs = load_sequences(cfg.data, features=cfg.offline, topk=cfg.distill_weight > 0)
+    seqs = load_all(cfg.data, features=cfg.offline, topk=cfg.distill_weight > 0)
     top = max(int(s.input_ids.max()) for s in seqs)
     if top >= vocab:
-        raise FlashdraftError(f"{cfg.data} has token id {top} outside the target vocabulary 0..{vocab - 1}; "
+        raise FlashdraftError(f"{where} has token id {top} outside the target vocabulary 0..{vocab - 1}; "
                               "it was prepared with a different target")
     B = drafter_cfg.block_size
     seqs = [s for s in seqs if len(eligible_anchors(s.loss_mask, B))]
     if len(seqs) < 2:
-        raise FlashdraftError(f"{cfg.data} has {len(seqs)} sequence(s) with a response of at least {B} tokens; "
+        raise FlashdraftError(f"{where} has {len(seqs)} sequence(s) with a response of at least {B} tokens; "
                               "need more data or a smaller --block-size")
     tr, ev = split_eval(len(seqs), cfg.eval_sequences, cfg.seed)
     return [seqs[i] for i in tr], [seqs[i] for i in ev]
@@ -529,7 +529,7 @@ def dev_setup(cfg: TrainConfig, target, is_main: bool, say) -> dict | None:
     """The dev prompts (--dev-prompts, else DATA/dev.jsonl) as ids and a float32 target to decode them with."""
     if not is_main or cfg.dev_every == 0:
         return None
-    path = Path(cfg.dev_prompts) if cfg.dev_prompts else Path(cfg.data) / "dev.jsonl"
+    path = Path(cfg.dev_prompts) if cfg.dev_prompts else Path(data_dirs(cfg.data)[0]) / "dev.jsonl"
     if not path.is_file():
         if cfg.dev_prompts:
             raise FlashdraftError(f"--dev-prompts {path} does not exist")
@@ -593,7 +593,8 @@ def train(cfg: TrainConfig, target=None, log=print) -> dict:
     """Train a drafter; returns final metrics. `target` may be passed in (tests), else --target is loaded."""
     rank, world, local_rank = dist_info()
     check_config(cfg, world)
-    read_meta(cfg.data)  # fail on a bad --data before loading any model
+    for d in data_dirs(cfg.data):
+        read_meta(d)  # fail on a bad --data before loading any model
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     if cfg.device:
@@ -649,7 +650,7 @@ def train(cfg: TrainConfig, target=None, log=print) -> dict:
                 say(f"flashdraft: --extend: the data now has {n_seqs} usable sequences (was {state['num_sequences']}); "
                     "the data order continues over the new set", file=sys.stderr)
             elif state.get("num_sequences", n_seqs) != n_seqs:
-                raise FlashdraftError(f"--resume: {cfg.data} now has {n_seqs} usable sequences, the run started with "
+                raise FlashdraftError(f"--resume: --data now has {n_seqs} usable sequences, the run started with "
                                       f"{state['num_sequences']}; resume with the same data or use a new --out")
             drafter.load_state_dict(state["model"])
             opt.load_state_dict(state["optimizer"])
