@@ -54,7 +54,7 @@ def test_shipped_drafter_is_registered_lossless_and_accepts(smol):
     path = registered_drafter(target.name)
     assert path is not None and (path / "model.safetensors").stat().st_size < 30e6 and (path / "README.md").is_file()
     drafter = load_drafter_for(target, None)
-    assert drafter.config.block_size == 8 and drafter.config.mask_token_id == 16  # registered: block 8 on CPU
+    assert drafter.config.block_size == 4 and drafter.config.mask_token_id == 16  # registered: block 4 on CPU
     assert load_drafter_for(target, path).config.block_size == 8  # the checkpoint was trained at block 8
     assert drafter.draft_vocab is not None and 2 in drafter.draft_vocab  # proposes EOS among its frequent tokens
     ids = target.encode("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips "
