@@ -151,6 +151,7 @@ def load_target(name: str | None = None, dtype: str | torch.dtype = "float32", d
     except (OSError, ValueError, TypeError):
         tokenizer = None
     model = model.to(device).eval()
+    T.use_grouped_sdpa(model)
     if packed:
         pack_linears(model)
     return Target(model, tokenizer, name)

@@ -7,8 +7,12 @@ import inspect
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
-from transformers import DynamicCache, PreTrainedModel
+from transformers import AttentionInterface, DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from .errors import FlashdraftError
 
@@ -48,11 +52,83 @@ def final_norm(model: PreTrainedModel) -> nn.Module | None:
     return getattr(getattr(model, "model", None), "norm", None)
 
 
+class GrowingLayer(DynamicLayer):
+    """A full-attention cache layer over a buffer that doubles when full.
+
+    HF's DynamicLayer re-concatenates the whole cache on every forward (~15% of a CPU decode step at a few hundred
+    positions); here new positions are written in place and a rollback only moves the end.
+    """
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device, self.end = key_states.device, 0
+        self.keys, self.values = key_states[..., :0, :], value_states[..., :0, :]  # views of [b, h, capacity, d]
+        self.is_initialized = True
+
+    def _grow(self, need: int) -> None:
+        cap = max(256, need, 2 * self.keys.shape[-2])
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            buf = old.new_empty(*old.shape[:-2], cap, old.shape[-1])
+            buf[..., : self.end, :] = old[..., : self.end, :]
+            setattr(self, name, buf)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[-2]
+        if self.end + n > self.keys.shape[-2]:
+            self._grow(self.end + n)
+        self.keys[..., self.end:self.end + n, :] = key_states
+        self.values[..., self.end:self.end + n, :] = value_states
+        self.end += n
+        return self.keys[..., : self.end, :], self.values[..., : self.end, :]
+
+    def get_seq_length(self) -> int:
+        return self.end if self.is_initialized else 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative count of positions to remove, got {tokens_to_remove}")
+        if self.is_initialized:
+            self.end = max(0, self.end + tokens_to_remove)
+
+
 def new_cache(model: PreTrainedModel) -> DynamicCache:
+    """An empty cache for one sequence that can roll back; full-attention layers grow in place (GrowingLayer)."""
     cache = DynamicCache(config=model.config)
     if hasattr(cache, "activate_past_recording"):
         cache.activate_past_recording()  # sliding-window / linear layers must be able to roll back
+    if len(cache.layers) == num_layers(model) and all(type(layer) is DynamicLayer for layer in cache.layers):
+        cache.layers = [GrowingLayer() for _ in cache.layers]
     return cache
+
+
+def sdpa_gqa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                       is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """HF's SDPA attention, but grouped-query K/V stay grouped under a mask as well.
+
+    HF expands K/V to every query head when a mask is given (any block verify), copying each layer's whole cache;
+    torch's CPU kernel takes the grouped heads directly (enable_gqa) and gives the same result.
+    """
+    if getattr(module, "num_key_value_groups", 1) == 1 or attention_mask is None or kwargs.get("position_bias") \
+            is not None or kwargs.get("softcap") is not None or module.training:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+SDPA_GQA = "flashdraft_sdpa_gqa"
+AttentionInterface.register(SDPA_GQA, sdpa_gqa_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(SDPA_GQA, sdpa_mask)
+
+
+def use_grouped_sdpa(model: PreTrainedModel) -> bool:
+    """On CPU, switch a model that runs HF's SDPA attention to sdpa_gqa_attention; returns whether it did."""
+    if model.device.type != "cpu" or model.config._attn_implementation != "sdpa":
+        return False
+    model.config._attn_implementation = SDPA_GQA  # set_attn_implementation would look the name up on the kernel hub
+    return True
 
 
 def forward(model: PreTrainedModel, ids: torch.Tensor, start: int, cache: DynamicCache,
