@@ -55,7 +55,7 @@ def final_norm(model: PreTrainedModel) -> nn.Module | None:
 class GrowingLayer(DynamicLayer):
     """A full-attention cache layer over a buffer that doubles when full.
 
-    HF's DynamicLayer re-concatenates the whole cache on every forward (~15% of a CPU decode step at a few hundred
+    HF's DynamicLayer re-concatenates the whole cache on every forward (11% of a CPU decode step at 1,500
     positions); here new positions are written in place and a rollback only moves the end.
     """
 
@@ -118,7 +118,7 @@ def sdpa_gqa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
     return out.transpose(1, 2).contiguous(), None
 
 
-SDPA_GQA = "flashdraft_sdpa_gqa"
+SDPA_GQA = "grouped_sdpa"  # no "flash" in the name: transformers reads that as flash attention
 AttentionInterface.register(SDPA_GQA, sdpa_gqa_attention)
 ALL_MASK_ATTENTION_FUNCTIONS.register(SDPA_GQA, sdpa_mask)
 

@@ -87,3 +87,14 @@ def test_loaded_target_uses_grouped_sdpa_and_decodes_like_hf(tmp_path):
     for bs in (1, 4, 8):
         got = generate_ids(loaded, drafter, prompt, block_size=bs, max_new_tokens=300).output_ids
         assert_greedy_lossless(plain, prompt, got, ref)
+
+
+def test_grouped_sdpa_is_not_taken_for_flash_attention_and_hf_generate_agrees(tmp_path):
+    """transformers treats any attention name containing "flash" as flash attention; generate must match too."""
+    from transformers.utils.generic import is_flash_attention_requested
+
+    plain = save_tiny_model_dir(tmp_path / "tiny")
+    loaded = load_target(str(tmp_path / "tiny")).model
+    assert not is_flash_attention_requested(loaded.config)
+    prompt = list(range(3, 30))
+    assert hf_greedy(loaded, prompt, 40) == hf_greedy(plain, prompt, 40)
