@@ -191,6 +191,15 @@ ACCEPTED = re.compile(r"accepted\s+(\d+)/\s*(\d+) draft tokens")
 DRAFT_DUR = re.compile(r"draft-dflash: .*dur\(b,g,a\) = ([\d.]+), ([\d.]+), ([\d.]+) ms")
 
 
+@functools.cache
+def cpu_has_amx() -> bool:
+    """Whether this CPU has Intel AMX tiles (Linux: /proc/cpuinfo flags)."""
+    try:
+        return " amx_tile" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -214,6 +223,8 @@ class LlamaServer:
         if self.drafter is not None:
             cmd += ["-md", str(self.drafter), "--spec-type", "draft-dflash", "--spec-draft-n-max",
                     str(self.block_size - 1), "-td", t]
+        if cpu_has_amx():  # the pinned build segfaults in its AMX matmul (repacked weights) at warm-up on such CPUs
+            cmd += ["--no-repack"]
         return cmd
 
     def start(self) -> "LlamaServer":
