@@ -59,8 +59,12 @@ class GrowingLayer(DynamicLayer):
     positions); here new positions are written in place and a rollback only moves the end.
     """
 
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.end = 0  # positions held; the buffers may be longer
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device, self.end = key_states.device, 0
+        self.device = key_states.device
         self.keys, self.values = key_states[..., :0, :], value_states[..., :0, :]  # views of [b, h, capacity, d]
         self.is_initialized = True
 
@@ -84,13 +88,12 @@ class GrowingLayer(DynamicLayer):
         return self.keys[..., : self.end, :], self.values[..., : self.end, :]
 
     def get_seq_length(self) -> int:
-        return self.end if self.is_initialized else 0
+        return self.end
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative count of positions to remove, got {tokens_to_remove}")
-        if self.is_initialized:
-            self.end = max(0, self.end + tokens_to_remove)
+        self.end = max(0, self.end + tokens_to_remove)
 
 
 def new_cache(model: PreTrainedModel) -> DynamicCache:
