@@ -712,6 +712,29 @@ def test_dev_tau_selects_best_and_logs_cpu_hours(topk_dir, tiny_dir, tmp_path):
     assert abs(sum(lengths) / len(lengths) - best["dev_tau"]) < 1e-9 and len(lengths) == best["dev_cycles"]
 
 
+def test_dev_prompts_interleave_every_data_directory(tiny_dir, tmp_path):
+    """With several --data directories, dev τ is measured on all their dev splits, round-robin, so checkpoint
+    selection weighs every training source; --dev-prompts overrides them."""
+    from flashdraft.train.trainer import dev_setup
+
+    target = load_target(str(tiny_dir))
+    dirs = [tmp_path / "a", tmp_path / "b", tmp_path / "c"]  # c has no dev split
+    for d, prompts in zip(dirs, (["a0", "a1", "a2"], ["b0"], [])):
+        d.mkdir()
+        if prompts:
+            (d / "dev.jsonl").write_text("".join(json.dumps({"turns": [p]}) + "\n" for p in prompts))
+    quiet = lambda *a, **k: None  # noqa: E731
+    cfg = tiny_cfg(dirs[0], tmp_path / "run", dev_samples=3)
+    cfg.data = list(map(str, dirs))
+    assert dev_setup(cfg, target, True, quiet)["ids"] == [target.encode(p) for p in ("a0", "b0", "a1")]
+    cfg.dev_prompts = str(dirs[1] / "dev.jsonl")
+    own = dev_setup(cfg, target, True, quiet)
+    assert own["ids"] == [target.encode("b0")]
+    assert dev_setup(tiny_cfg(dirs[2], tmp_path / "run"), target, True, quiet) is None
+    with pytest.raises(FlashdraftError, match="does not exist"):
+        dev_setup(tiny_cfg(dirs[2], tmp_path / "run", dev_prompts=str(tmp_path / "nope.jsonl")), target, True, quiet)
+
+
 def test_resume_extend_accepts_grown_data_and_more_steps(tiny_dir, prompts_file, tmp_path):
     target = load_target(str(tiny_dir))
     quiet = lambda *a, **k: None  # noqa: E731
@@ -783,4 +806,4 @@ def test_training_on_several_data_directories(data_dir, topk_dir, tiny_dir, tmp_
                  "--batch-size", "2", "--dtype", "float32", "--eval-sequences", "2", "--save-every", "2"]) == 0
     st = torch.load(out / "step_0000002" / "train_state.pt", weights_only=False)
     assert st["num_sequences"] > len(load_sequences(topk_dir))  # more than the first directory alone
-    assert "dev.jsonl" in capsys.readouterr().err  # dev τ on the first directory's split (data_dir has none)
+    assert f"{topk_dir}/dev.jsonl" in capsys.readouterr().err  # dev τ on the split that exists (data_dir has none)

@@ -129,7 +129,7 @@ def add_train(sub) -> None:
                                    "Multi-GPU / multi-process: torchrun --nproc_per_node=N -m flashdraft.cli train ...")
     p.add_argument("--data", required=True, action="append", metavar="DIR",
                    help="directory written by flashdraft prepare (repeatable: train on several together; dev τ uses "
-                        "the first one's dev.jsonl unless --dev-prompts)")
+                        "their dev.jsonl files interleaved unless --dev-prompts)")
     p.add_argument("--out", required=True, help="checkpoint directory (step_N/ are z-lab drafters, usable as --drafter)")
     p.add_argument("--target", help="registered name, local HF model dir or hub id (default: smollm2-135m-instruct)")
     p.add_argument("--init-from", help="start from this drafter directory instead of random weights")
@@ -166,7 +166,7 @@ def add_train(sub) -> None:
                    help="stop (with a checkpoint) once this run has trained for MIN minutes")
     p.add_argument("--dev-prompts", metavar="FILE.jsonl",
                    help="held-out prompts for checkpoint selection by real speculative-decoding τ (float32, greedy); "
-                        "default: DATA/dev.jsonl when prepare wrote one. The best drafter is kept in OUT/best")
+                        "default: every DATA/dev.jsonl prepare wrote, interleaved. The best drafter is kept in OUT/best")
     p.add_argument("--dev-samples", type=int, default=d.dev_samples, help="dev prompts decoded per evaluation")
     p.add_argument("--dev-max-new-tokens", type=int, default=d.dev_max_new_tokens)
     p.add_argument("--dev-every", type=int, help="steps between dev τ evaluations (default: --save-every; 0 = never)")

@@ -526,23 +526,26 @@ def cpu_seconds() -> float:
 
 
 def dev_setup(cfg: TrainConfig, target, is_main: bool, say) -> dict | None:
-    """The dev prompts (--dev-prompts, else DATA/dev.jsonl) as ids and a float32 target to decode them with."""
+    """The dev prompts (--dev-prompts, else every DATA/dev.jsonl, interleaved so each source counts) as ids and a
+    float32 target to decode them with."""
     if not is_main or cfg.dev_every == 0:
         return None
-    path = Path(cfg.dev_prompts) if cfg.dev_prompts else Path(data_dirs(cfg.data)[0]) / "dev.jsonl"
-    if not path.is_file():
-        if cfg.dev_prompts:
-            raise FlashdraftError(f"--dev-prompts {path} does not exist")
+    if cfg.dev_prompts and not Path(cfg.dev_prompts).is_file():
+        raise FlashdraftError(f"--dev-prompts {cfg.dev_prompts} does not exist")
+    paths = [Path(cfg.dev_prompts)] if cfg.dev_prompts else \
+        [Path(d) / "dev.jsonl" for d in data_dirs(cfg.data) if (Path(d) / "dev.jsonl").is_file()]
+    if not paths:
         return None
-    from .data import read_jsonl_prompts
+    from .data import interleave, read_jsonl_prompts
 
-    prompts = read_jsonl_prompts(path)[: cfg.dev_samples]
+    prompts = interleave([read_jsonl_prompts(p) for p in paths])[: cfg.dev_samples]
+    where = " + ".join(map(str, paths))
     dev_target = target
     if next(target.model.parameters()).dtype != torch.float32:  # τ is measured as it will be served: float32
         from ..models import load_target
 
         dev_target = load_target(cfg.target, dtype="float32", device=str(next(target.model.parameters()).device))
-    say(f"flashdraft: dev τ on {len(prompts)} prompts of {path}, {cfg.dev_max_new_tokens} new tokens, float32",
+    say(f"flashdraft: dev τ on {len(prompts)} prompts of {where}, {cfg.dev_max_new_tokens} new tokens, float32",
         file=sys.stderr)
     return {"target": dev_target, "ids": [dev_target.encode(p) for p in prompts]}
 
