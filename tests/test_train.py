@@ -458,6 +458,30 @@ def test_train_dflash2_from_dflash1_starts_equal(data_dir, tiny_dir, tmp_path):
                                        arch="dflash"), target)
 
 
+def test_init_from_keeps_the_first_layers(data_dir, tiny_dir, tmp_path):
+    """--num-layers N with --init-from keeps the warm start's first N layers (its trained fc, norms and context path),
+    so a cheaper drafter can be compared at equal compute; asking for more layers than it has is a one-line error."""
+    from flashdraft.checkpoint import save_drafter
+    from flashdraft.train.trainer import build_or_load_drafter
+
+    target = load_target(str(tiny_dir))
+    d2 = random_drafter(target.model, num_layers=2, block_size=4, mask_id=MASK_ID)
+    save_drafter(d2, tmp_path / "d2")
+    one = build_or_load_drafter(tiny_cfg(data_dir, tmp_path / "o", init_from=str(tmp_path / "d2"), num_layers=1), target)
+    assert len(one.layers) == one.config.num_hidden_layers == len(one.config.layer_types) == 1
+    ref = d2.state_dict()
+    got = one.state_dict()
+    assert set(got) == {k for k in ref if not k.startswith("layers.1.")}
+    assert all(torch.equal(got[k], ref[k].float()) for k in got)
+    every = tiny_cfg(data_dir, tmp_path / "o", init_from=str(tmp_path / "d2"), num_layers=None)
+    assert len(build_or_load_drafter(every, target).layers) == 2
+    res = train(tiny_cfg(data_dir, tmp_path / "o", init_from=str(tmp_path / "d2"), num_layers=1, steps=3, dev_every=0),
+                target=target, log=lambda *a, **k: None)
+    assert res["final_step"] == 3 and load_drafter(tmp_path / "o" / "step_0000003").config.num_hidden_layers == 1
+    with pytest.raises(FlashdraftError, match="has only 2 layer"):
+        build_or_load_drafter(tiny_cfg(data_dir, tmp_path / "x", init_from=str(tmp_path / "d2"), num_layers=3), target)
+
+
 def test_loop_aware_training(data_dir, tiny_dir, tmp_path):
     from flashdraft.train.trainer import loop_stage
 

@@ -133,7 +133,8 @@ def add_train(sub) -> None:
     p.add_argument("--out", required=True, help="checkpoint directory (step_N/ are z-lab drafters, usable as --drafter)")
     p.add_argument("--target", help="registered name, local HF model dir or hub id (default: smollm2-135m-instruct)")
     p.add_argument("--init-from", help="start from this drafter directory instead of random weights")
-    p.add_argument("--num-layers", type=int, default=d.num_layers, help="drafter layers (new drafters)")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="drafter layers: a new drafter's (default 2), or with --init-from keep its first N (default all)")
     p.add_argument("--block-size", type=int, default=None, help="block size B (default 16, or --init-from's)")
     p.add_argument("--mask-token-id", type=int, help="mask token id (default: spare embedding row, else the "
                    "highest-id unused special token, e.g. <empty_output>=16 for SmolLM2)")

@@ -59,7 +59,7 @@ class TrainConfig:
     out: str
     target: str | None = None
     init_from: str | None = None
-    num_layers: int = 2
+    num_layers: int | None = None  # new drafters: 2; with init_from: keep its first N layers (None: all)
     block_size: int | None = None  # None: 16, or the --init-from drafter's
     mask_token_id: int | None = None
     steps: int = 1000
@@ -323,6 +323,8 @@ def build_or_load_drafter(cfg: TrainConfig, target) -> nn.Module:
             raise FlashdraftError(f"--init-from {cfg.init_from} is a DFlash 2 drafter; use --arch dflash2 (or omit --arch)")
         if cfg.arch == "dflash2" and drafter.config.arch == "dflash":
             drafter = upgrade_to_dflash2(drafter, **d2)
+        if cfg.num_layers is not None:
+            keep_first_layers(drafter, cfg.num_layers, cfg.init_from)
         dc = drafter.config
         if cfg.block_size is not None:
             dc.block_size = cfg.block_size
@@ -331,7 +333,7 @@ def build_or_load_drafter(cfg: TrainConfig, target) -> nn.Module:
         dc.torch_dtype = "float32"
     else:
         mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else pick_mask_token_id(tok, vocab)
-        dc = drafter_config_for(model.config, mask_id, num_layers=cfg.num_layers, block_size=cfg.block_size or 16,
+        dc = drafter_config_for(model.config, mask_id, num_layers=cfg.num_layers or 2, block_size=cfg.block_size or 16,
                                 torch_dtype="float32")
         dc.arch = cfg.arch or "dflash"
         for k, v in d2.items():
@@ -345,6 +347,17 @@ def build_or_load_drafter(cfg: TrainConfig, target) -> nn.Module:
     if cfg.loop_stages > 1 and dc.arch == "dflash2":
         raise FlashdraftError("--loop-stages > 1 trains DFlash 1 drafters only; use a DFlash 1 drafter or --loop-stages 1")
     return drafter
+
+
+def keep_first_layers(drafter: nn.Module, n: int, where: str) -> None:
+    """Truncate a warm-start drafter to its first n layers (a cheaper drafter that keeps the trained context path)."""
+    have = len(drafter.layers)
+    if n > have:
+        raise FlashdraftError(f"--num-layers {n}: --init-from {where} has only {have} layer(s); pass at most {have} "
+                              "or train a new drafter without --init-from")
+    drafter.layers = drafter.layers[:n]
+    drafter.config.num_hidden_layers = n
+    drafter.config.layer_types = list(drafter.config.layer_types[:n])
 
 
 def init_from_target(drafter: nn.Module, model, copy_layers: bool) -> list[str]:
@@ -382,7 +395,7 @@ def frequent_tokens(seqs: list[Sequence], n: int, vocab: int) -> torch.Tensor:
 
 def check_config(cfg: TrainConfig, world: int) -> None:
     for name in ("steps", "batch_size", "anchors", "num_layers", "log_every", "eval_every", "save_every", "loss_chunk"):
-        if getattr(cfg, name) < 1:
+        if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
             raise FlashdraftError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     if cfg.micro_batch is not None and cfg.micro_batch < 1:
         raise FlashdraftError(f"--micro-batch must be >= 1, got {cfg.micro_batch}")
@@ -474,7 +487,10 @@ def load_state(path: Path, cfg: TrainConfig) -> dict:
         raise FlashdraftError(f"{path}/train_state.pt is unreadable ({e}); resume from an older step_* directory") from None
     old = state.get("config", {})
     defaults = TrainConfig(data="", out="")  # keys added after a run started count as their defaults
-    diff = [k for k in RESUME_KEYS if old.get(k, getattr(defaults, k)) != getattr(cfg, k)
+    def norm(k: str, v):  # num_layers: runs from before it could be None stored the then-default 2
+        return (2 if v is None else v) if k == "num_layers" else v
+
+    diff = [k for k in RESUME_KEYS if norm(k, old.get(k, getattr(defaults, k))) != norm(k, getattr(cfg, k))
             and not (cfg.extend and k in EXTEND_KEYS)]
     if cfg.extend and cfg.steps < state["step"]:
         raise FlashdraftError(f"--extend: --steps {cfg.steps} is below the {state['step']} steps already trained")
