@@ -8,6 +8,7 @@ seen at least twice in its sense-tagged corpus, the templates are generic reques
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import sys
@@ -29,15 +30,15 @@ TWO = ["Compare {x} and {y}.", "Explain the difference between {x} and {y}.",
 
 
 def nouns(path: str = COUNTS) -> list[str]:
-    """Sorted noun lemmas with a summed tag count of at least 2."""
-    counts: dict[str, int] = {}
+    """Sorted noun lemmas that have a sense tagged at least twice."""
+    lemmas = set()
     with open(path) as f:
         for line in f:
             key, _, count = line.split()
             lemma, sense = key.split("%")
             if sense.startswith("1:") and int(count) >= 2 and re.fullmatch(r"[a-z][a-z_\-]{2,30}", lemma):
-                counts[lemma] = counts.get(lemma, 0) + int(count)
-    return sorted(counts)
+                lemmas.add(lemma)
+    return sorted(lemmas)
 
 
 def prompts(n: int, seed: int = 0) -> list[dict]:
@@ -52,8 +53,11 @@ def prompts(n: int, seed: int = 0) -> list[dict]:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        print("usage: wordnet_chat_prompts.py N OUT.jsonl", file=sys.stderr)
+    if len(sys.argv) != 3 or not sys.argv[1].isdigit():
+        sys.stderr.write("usage: wordnet_chat_prompts.py N OUT.jsonl  (N: how many prompts)\n")
+        sys.exit(2)
+    if not os.path.isfile(COUNTS):
+        sys.stderr.write(f"{COUNTS} is missing; install WordNet's data (Debian: apt install wordnet-base)\n")
         sys.exit(2)
     with open(sys.argv[2], "w") as f:
         f.writelines(json.dumps(p) + "\n" for p in prompts(int(sys.argv[1])))
