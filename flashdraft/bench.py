@@ -1,6 +1,7 @@
 """`flashdraft bench`: ar / hf / hf-lookup / dflash / llamacpp / llamacpp-dflash on the same prompts and machine.
 
-Drafter methods are swept over --drafter × --block-size × --loop-stages × --loop-gate (DLoop, dloop.py); llama.cpp
+Drafter methods are swept over --drafter × --block-size × --loop-stages × --loop-gate (DLoop, dloop.py) × --lookup
+(prompt lookup, lookup.py); llama.cpp
 methods also over --gguf (target files). A method is one small function (target, prompt ids, Settings) → Sample,
 registered in METHODS. Each method has a plain baseline on the same engine (ar, or llamacpp on the same target file)
 that its speedup and its token-identity check refer to.
@@ -8,6 +9,7 @@ that its speedup and its token-identity check refer to.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -48,6 +50,7 @@ class Settings:
     lookup_tokens: int = 10
     loop_stages: int = 1  # DLoop stages per cycle (1 = plain DFlash)
     loop_gate: float = -0.75
+    lookup: bool = True  # prompt lookup drafts where the context's last n-gram recurs (torch drafter methods)
     server: object | None = None  # a llamacpp.LlamaServer (llama.cpp methods only)
 
 
@@ -64,6 +67,7 @@ class Sample:
     verify_s: float | None = None
     other_s: float | None = None
     stages: list[int] = field(default_factory=list)  # drafting stages per cycle (drafter methods only)
+    lookup_cycles: int = 0  # cycles drafted by prompt lookup instead of the drafter
 
 
 Method = Callable[[object, list[int], Settings], Sample]
@@ -76,11 +80,12 @@ def _flashdraft(target, ids: list[int], s: Settings, drafter, block_size: int) -
 
     r = generate_ids(target.model, drafter, ids, block_size=block_size, max_new_tokens=s.max_new_tokens,
                      temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
-                     stop_token_ids=s.stop_token_ids, loop_stages=s.loop_stages, loop_gate=s.loop_gate)
+                     stop_token_ids=s.stop_token_ids, loop_stages=s.loop_stages, loop_gate=s.loop_gate,
+                     lookup=s.lookup)
     t = r.timing
     stages = [c.stages for c in r.cycles] if drafter is not None else []
     return Sample(r.output_ids, t.prefill_s, t.total_s, 1, r.acceptance_lengths, t.draft_s, t.verify_s, t.other_s,
-                  stages)
+                  stages, r.lookup_cycles)
 
 
 def run_ar(target, ids: list[int], s: Settings) -> Sample:
@@ -322,8 +327,9 @@ class Gguf:
 
 def drafter_variants(target, m: str, drafters: list[str | None], block_sizes: list[int], base: Settings,
                      loops: list[tuple[int, float]], gguf: Gguf | None, threads: int | None,
-                     servers: list) -> list[Variant]:
-    """One Variant per (drafter, block size, loop setting) of a drafter method; on llama.cpp per target file too."""
+                     servers: list, lookups: list[bool] = (True,)) -> list[Variant]:
+    """One Variant per (drafter, block size, loop setting, lookup) of a drafter method; on llama.cpp per target file
+    instead of per lookup setting (llama.cpp drafts every cycle)."""
     from .models import load_drafter_for, registered_drafter
 
     out = []
@@ -354,12 +360,15 @@ def drafter_variants(target, m: str, drafters: list[str | None], block_sizes: li
                 out.append(Variant(variant_label(m, kind, [gguf.label] + parts), m,
                                    replace(base, block_size=b, server=server), desc))
                 continue
-            for stages, gate in loops:
-                label_parts, vdesc = list(parts), dict(desc)
+            for (stages, gate), lookup in itertools.product(loops, lookups):
+                label_parts, vdesc = list(parts), {**desc, "lookup": lookup}
                 if stages > 1:
                     label_parts += [f"s{stages}", f"g{gate:g}"]
                     vdesc |= {"loop_stages": stages, "loop_gate": gate}
-                settings = replace(base, drafter=drafter, block_size=b, loop_stages=stages, loop_gate=gate)
+                if len(lookups) > 1 or not lookup:  # on is the default and goes unlabelled alone
+                    label_parts.append("lookup" if lookup else "no-lookup")
+                settings = replace(base, drafter=drafter, block_size=b, loop_stages=stages, loop_gate=gate,
+                                   lookup=lookup)
                 out.append(Variant(variant_label(m, kind, label_parts), m, settings, vdesc))
     return out
 
@@ -374,7 +383,7 @@ def ctx_for(target) -> int:
 def build_variants(target, methods: list[str], drafters: list[str | None], block_sizes: list[int],
                    base: Settings, loop_stages: list[int] = (1,), loop_gates: list[float] = (-0.75,),
                    ggufs: list[Gguf] = (), threads: int | None = None,
-                   servers: list | None = None) -> list[Variant]:
+                   servers: list | None = None, lookups: list[bool] = (True,)) -> list[Variant]:
     """One Variant per method, per (drafter, block size, loop setting) for drafter methods and per --gguf file for
     llama.cpp methods; stable labels. llama.cpp servers are created (not started) and appended to `servers`."""
     servers = [] if servers is None else servers
@@ -384,7 +393,7 @@ def build_variants(target, methods: list[str], drafters: list[str | None], block
         files = list(ggufs) if m in LLAMACPP_METHODS else [None]
         for g in files:
             if m in DRAFTER_METHODS:
-                out += drafter_variants(target, m, drafters, block_sizes, base, loops, g, threads, servers)
+                out += drafter_variants(target, m, drafters, block_sizes, base, loops, g, threads, servers, lookups)
             elif g is not None:
                 from .llamacpp import LlamaServer
 
@@ -405,7 +414,7 @@ def turn_record(target, s: Sample, prompt_len: int) -> dict:
     return {"prompt_len": prompt_len, "output_ids": s.output_ids, "text": target.decode(s.output_ids),
             "new_tokens": len(s.output_ids), "first_tokens": s.first_tokens, "ttft_s": s.ttft_s,
             "total_s": s.total_s, "decode_s": max(0.0, s.total_s - s.ttft_s),
-            "acceptance_lengths": s.acceptance_lengths, "stages": s.stages,
+            "acceptance_lengths": s.acceptance_lengths, "stages": s.stages, "lookup_cycles": s.lookup_cycles,
             "cycle_timing": s.draft_s is not None, "draft_s": s.draft_s or 0.0, "verify_s": s.verify_s or 0.0,
             "other_s": s.other_s or 0.0}
 
@@ -586,6 +595,9 @@ def add_bench(sub) -> None:
     p.add_argument("--loop-gate", default="-0.75",
                    help="DLoop gates (summed draft log-probability needed for another stage) to sweep, "
                         "comma-separated, e.g. -0.5,-0.75,-1 (default -0.75; used when loop stages > 1)")
+    p.add_argument("--lookup", default="on",
+                   help="prompt lookup for dflash: on, off, or on,off to compare side by side (default on: where the "
+                        "context's last n-gram recurs, verify what followed it instead of drafting)")
     p.add_argument("--max-samples", type=int, help="prompts per dataset (a fixed-seed random subset)")
     p.add_argument("--subsample-seed", type=int, default=0, help="seed for --max-samples sub-sampling (default 0)")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -659,6 +671,15 @@ def parse_list(text: str, what: str, kind: type) -> list:
     return values
 
 
+def parse_lookup(text: str) -> list[bool]:
+    """--lookup 'on', 'off' or 'on,off' → [True], [False], [True, False]."""
+    values = parse_list(text, "--lookup", str)
+    bad = [v for v in values if v not in ("on", "off")]
+    if bad:
+        raise FlashdraftError(f"--lookup takes on, off or on,off; got {text!r}")
+    return [v == "on" for v in dict.fromkeys(values)]
+
+
 def parse_loops(args) -> tuple[list[int], list[float]]:
     """--loop-stages and --loop-gate as checked lists."""
     from .dloop import check_loop
@@ -705,6 +726,7 @@ def cmd_bench(args) -> int:
     check_bench_args(args)
     methods = parse_methods(args.methods, reference=not args.no_ar)
     loop_stages, loop_gates = parse_loops(args)
+    lookups = parse_lookup(args.lookup)
     labels = [parse_dataset(d) for d in args.dataset]
     if len({lab for lab, _ in labels}) != len(labels):
         raise FlashdraftError(f"two datasets share the label {[lab for lab, _ in labels]}; use NAME=PATH to name them")
@@ -724,7 +746,7 @@ def cmd_bench(args) -> int:
     ggufs = resolve_ggufs(args.gguf, target.name) if uses_llamacpp else []
     servers: list = []
     variants = build_variants(target, methods, args.drafter or [None], args.block_size or [], base, loop_stages,
-                              loop_gates, ggufs, args.threads, servers)
+                              loop_gates, ggufs, args.threads, servers, lookups)
     config = {"target": target.name, "dtype": args.dtype, "device": device, "chat": not args.no_chat,
               "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
               "top_k": args.top_k, "seed": args.seed, "lookup_tokens": args.lookup_tokens,

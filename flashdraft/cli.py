@@ -64,6 +64,9 @@ def add_generate(sub) -> None:
                    help="DLoop: draft another stage only while the last stage's summed draft log-probability "
                         "exceeds this (default -0.75; lower = more stages)")
     p.add_argument("--json", action="store_true", help="print the machine-readable record instead of streaming text")
+    p.add_argument("--no-lookup", action="store_true",
+                   help="draft every cycle with the drafter; by default, where the text's last n-gram recurs, the "
+                        "tokens that followed it are verified instead (prompt lookup, no drafter pass)")
     p.add_argument("--compare-ar", action="store_true", help="also decode plainly and report speedup and identity")
     p.add_argument("--engine", choices=["torch", "llamacpp"], default="torch",
                    help="torch (default) or llamacpp: llama.cpp's own DFlash with the drafter exported to GGUF "
@@ -99,6 +102,8 @@ def cmd_generate(args) -> int:
         raise FlashdraftError("--gguf is for --engine llamacpp")
     if args.engine == "llamacpp" and args.loop_stages != 1:
         raise FlashdraftError("--loop-stages (DLoop) runs on the torch engine only; drop it or use --engine torch")
+    if args.engine == "llamacpp" and args.no_lookup:
+        raise FlashdraftError("--no-lookup is for --engine torch (llama.cpp drafts every cycle); drop it")
     target = load_target(args.target, dtype=args.dtype, device=device)
     ids = prompt_ids if prompt_ids is not None else target.encode(args.prompt, chat=not args.no_chat)
     check_prompt(target.model, ids)
@@ -109,7 +114,7 @@ def cmd_generate(args) -> int:
     stops = target.stop_token_ids() if stops is None else stops
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=params.temperature, top_k=params.top_k,
               top_p=params.top_p, seed=args.seed, stop_token_ids=stops)
-    loop = dict(loop_stages=args.loop_stages, loop_gate=args.loop_gate)
+    loop = dict(loop_stages=args.loop_stages, loop_gate=args.loop_gate, lookup=not args.no_lookup)
     if args.compare_ar:  # warm both paths so neither pays first-call costs in the comparison
         generate_ids(target.model, drafter, ids, block_size=block_size, **{**kw, "max_new_tokens": 4}, **loop)
         generate_ids(target.model, None, ids, block_size=1, **{**kw, "max_new_tokens": 4})
@@ -122,7 +127,9 @@ def cmd_generate(args) -> int:
     t = result.timing
     loop_note = (f", {result.mean_stages:.2f} of up to {args.loop_stages} drafting stages per cycle at gate "
                  f"{args.loop_gate:g}" if args.loop_stages > 1 and result.config["block_size"] > 1 else "")
-    summary = (f"flashdraft: {result.num_new_tokens} new tokens, τ {result.tau:.2f} over {len(result.cycles)} cycles, "
+    look_note = f" ({result.lookup_cycles} by prompt lookup)" if result.config["lookup"] else ""
+    summary = (f"flashdraft: {result.num_new_tokens} new tokens, τ {result.tau:.2f} over {len(result.cycles)} cycles"
+               f"{look_note}, "
                f"{t.tokens_per_s:.1f} tok/s (block {result.config['block_size']}{loop_note}, {args.dtype})")
     if args.compare_ar:
         ar = generate_ids(target.model, None, ids, block_size=1, **kw)

@@ -16,6 +16,7 @@ from transformers import DynamicCache, PreTrainedModel
 from . import target as T
 from .drafter import ContextCache, draft_hidden, proposal_logits
 from .errors import FlashdraftError
+from .lookup import LOOKUP_BLOCK, lookup_drafts, one_hot_q
 from .sampling import SamplingParams, accept_greedy, accept_sampling, process, sample
 
 
@@ -48,7 +49,8 @@ class Cycle:
     block: list[int]  # exactly the ids the target verified
     accepted: int  # drafts kept
     emitted: list[int]  # tokens this cycle added to the output (after stop / length truncation)
-    stages: int = 0  # drafting stages of b-1 drafts each behind this block (1: plain DFlash; 0: block size 1)
+    stages: int = 0  # drafting stages of b-1 drafts each behind this block (1: plain DFlash; 0: block size 1 or lookup)
+    lookup: bool = False  # the drafts came from prompt lookup (lookup.py), not the drafter
 
 
 @dataclass
@@ -85,6 +87,11 @@ class GenerationResult:
         return sum(a) / len(a) if a else 0.0
 
     @property
+    def lookup_cycles(self) -> int:
+        """Cycles whose drafts came from prompt lookup instead of a drafter pass."""
+        return sum(c.lookup for c in self.cycles)
+
+    @property
     def mean_stages(self) -> float:
         """Mean drafting stages per cycle (1.0 for plain DFlash; above 1 when DLoop drafted further stages)."""
         return sum(c.stages for c in self.cycles) / len(self.cycles) if self.cycles else 0.0
@@ -94,7 +101,8 @@ class GenerationResult:
         return {
             "output_ids": self.output_ids, "text": self.text, "num_prompt_tokens": self.num_prompt_tokens,
             "num_new_tokens": self.num_new_tokens, "acceptance_lengths": self.acceptance_lengths,
-            "cycles": [{"block": c.block, "accepted": c.accepted, "stages": c.stages} for c in self.cycles],
+            "cycles": [{"block": c.block, "accepted": c.accepted, "stages": c.stages, "lookup": c.lookup}
+                       for c in self.cycles],
             "timing": asdict(self.timing), "config": self.config,
         }
 
@@ -168,8 +176,11 @@ def check_args(block_size: int, max_new_tokens: int) -> None:
 def decode(model: PreTrainedModel, prompt_ids: list[int], *, block_size: int, max_new_tokens: int,
            params: SamplingParams, layer_ids: list[int], propose: Proposer | None, seed: int = 0,
            stop_token_ids: list[int] | tuple = (), timing: Timing | None = None,
-           state_hook: Callable[[DecodeState], None] | None = None) -> Iterator[Cycle]:
-    """Yield one Cycle per target verify; the prefill's first token comes as a Cycle with an empty block."""
+           state_hook: Callable[[DecodeState], None] | None = None, lookup: bool = False) -> Iterator[Cycle]:
+    """Yield one Cycle per target verify; the prefill's first token comes as a Cycle with an empty block.
+
+    lookup: draft by prompt lookup (lookup.py) whenever the context's last n-gram recurs, and by `propose` otherwise.
+    """
     check_args(block_size, max_new_tokens)
     T.check_prompt(model, prompt_ids)
     if block_size > 1 and propose is None:
@@ -204,7 +215,11 @@ def decode(model: PreTrainedModel, prompt_ids: list[int], *, block_size: int, ma
         start = state.committed  # position of the anchor
         b = min(block_size, state.end - start)
         t1 = _now(dev)
-        if b > 1:
+        k = min(max(b, LOOKUP_BLOCK), state.end - start) - 1  # a lookup draft may run past a small drafter block
+        look = lookup_drafts(state.tokens, k) if lookup and b > 1 else []
+        if look:
+            drafts, q = torch.tensor(look, device=dev), None
+        elif b > 1:
             drafts, q = propose(state, start, b)
         else:
             drafts, q = torch.zeros(0, dtype=torch.long, device=dev), None
@@ -217,6 +232,8 @@ def decode(model: PreTrainedModel, prompt_ids: list[int], *, block_size: int, ma
         if params.greedy:
             n_acc, nxt = accept_greedy(drafts, out.logits.argmax(-1))
         else:
+            if look:  # a deterministic draft: q is one-hot, so each draft is kept with the target's probability of it
+                q = one_hot_q(drafts, out.logits.shape[-1])
             n_acc, nxt = accept_sampling(drafts, q if q is not None else out.logits[:0], process(out.logits, params), gen)
         new, stopped = _truncate(drafts[:n_acc].tolist() + [nxt], stop, room)
         # commit the anchor and the drafts that were emitted; the last emitted token is the next anchor
@@ -229,8 +246,8 @@ def decode(model: PreTrainedModel, prompt_ids: list[int], *, block_size: int, ma
         timing.verify_s += t3 - t2
         if state_hook:
             state_hook(state)
-        stages = -(-len(drafts) // (b - 1)) if b > 1 else 0  # DLoop stages each add b-1 drafts
-        yield Cycle(block.tolist(), n_acc, new, stages)
+        stages = -(-len(drafts) // (b - 1)) if b > 1 and not look else 0  # DLoop stages each add b-1 drafts
+        yield Cycle(block.tolist(), n_acc, new, stages, bool(look))
 
 
 def drafter_setup(model: PreTrainedModel, drafter: torch.nn.Module | None, block_size: int, params: SamplingParams,
@@ -254,8 +271,12 @@ def generate_ids(model: PreTrainedModel, drafter: torch.nn.Module | None, prompt
                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_token_ids: list[int] | tuple = (),
                  on_tokens: Callable[[list[int]], None] | None = None,
                  state_hook: Callable[[DecodeState], None] | None = None,
-                 propose: Proposer | None = None, loop_stages: int = 1, loop_gate: float = -0.75) -> GenerationResult:
+                 propose: Proposer | None = None, loop_stages: int = 1, loop_gate: float = -0.75,
+                 lookup: bool = True) -> GenerationResult:
     """Speculative decoding of prompt_ids with drafter (None and block size 1: plain autoregressive).
+
+    lookup (on by default): where the context's last n-gram recurs, verify the tokens that followed it instead of
+    running the drafter (prompt lookup, lookup.py); lossless like any draft. Off, every cycle is drafted.
 
     loop_stages > 1 turns on DLoop (dloop.py): after each drafting stage whose summed draft log-probability exceeds
     loop_gate, the drafter drafts another b-1 tokens after the unverified ones, up to loop_stages stages per cycle.
@@ -275,7 +296,7 @@ def generate_ids(model: PreTrainedModel, drafter: torch.nn.Module | None, prompt
     cycles, output = [], []
     for cycle in decode(model, prompt_ids, block_size=block_size, max_new_tokens=max_new_tokens, params=params,
                         layer_ids=layer_ids, propose=propose, seed=seed, stop_token_ids=stop_token_ids,
-                        timing=timing, state_hook=state_hook):
+                        timing=timing, state_hook=state_hook, lookup=lookup):
         output.extend(cycle.emitted)
         if cycle.block:
             cycles.append(cycle)
@@ -285,5 +306,5 @@ def generate_ids(model: PreTrainedModel, drafter: torch.nn.Module | None, prompt
     timing.other_s = max(0.0, timing.total_s - timing.prefill_s - timing.draft_s - timing.verify_s)
     timing.tokens_per_s = len(output) / timing.total_s if timing.total_s > 0 else 0.0
     config = {"block_size": block_size, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
-              "loop_stages": loop_stages, "loop_gate": loop_gate}
+              "loop_stages": loop_stages, "loop_gate": loop_gate, "lookup": lookup and block_size > 1}
     return GenerationResult(output, len(prompt_ids), cycles, timing, config)

@@ -37,6 +37,7 @@ def stats(turns: list[dict]) -> dict:
             "decode_s": dec_s, "decode_tok_s": dec_tok / dec_s if dec_s > 0 else None,
             "ttft_ms": None if ttft is None else 1000 * ttft,
             "tau": _mean(acc), "hist": {str(k): v for k, v in sorted(Counter(acc).items())}, "cycles": cycles,
+            "lookup_cycles": sum(t.get("lookup_cycles", 0) for t in turns),
             "mean_stages": _mean(stages), "stages_hist": {str(k): v for k, v in sorted(Counter(stages).items())},
             "draft_ms": per_cycle("draft_s"), "verify_ms": per_cycle("verify_s"), "other_ms": per_cycle("other_s")}
 

@@ -47,8 +47,8 @@ def test_json_record(dirs, capsys):
     assert pos >= len(out_ids) - 1
     assert set(rec["timing"]) == {"prefill_s", "draft_s", "verify_s", "other_s", "total_s", "tokens_per_s"}
     assert rec["config"] == {"block_size": 8, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0,
-                             "loop_stages": 1, "loop_gate": -0.75}
-    assert all(c["stages"] == 1 for c in rec["cycles"])
+                             "loop_stages": 1, "loop_gate": -0.75, "lookup": True}
+    assert all(c["stages"] == (0 if c["lookup"] else 1) for c in rec["cycles"])  # lookup cycles run no drafter
     assert "τ" in err
 
 

@@ -9,7 +9,7 @@ import torch
 from flashdraft import Target, dloop, generate
 from flashdraft.checkpoint import save_drafter
 from flashdraft.cli import main
-from flashdraft.decode import drafter_proposer, generate_ids
+from flashdraft.decode import drafter_proposer, generate_ids as _generate_ids
 from flashdraft.dflash2 import upgrade_to_dflash2
 from flashdraft.errors import FlashdraftError
 from flashdraft.sampling import SamplingParams
@@ -17,6 +17,12 @@ from helpers import hf_greedy, random_drafter, save_tiny_model_dir, tiny_target,
 from lossless import assert_greedy_lossless
 from test_cache_alignment import _check
 from test_sampling_lossless import ALPHA, NEW, PROMPT, VOCAB, chi2_pvalue, exact_distribution
+
+
+def generate_ids(*args, **kw):
+    """DLoop's stage accounting holds for drafted cycles: prompt lookup off unless a test turns it on."""
+    return _generate_ids(*args, **{"lookup": False, **kw})
+
 
 ALWAYS, NEVER = -math.inf, math.inf  # gates: every later stage runs / none does
 LIMIT = 96  # the tiny targets' context, so prompts near it cut stages short
@@ -249,7 +255,7 @@ def test_cli_generate_loops(dirs, capsys):
     prompt = [5, 9, 11, 40, 3]
     code = main(["generate", "--target", str(root / "target"), "--drafter", str(root / "d1"), "--prompt-ids",
                  ",".join(map(str, prompt)), "--max-new-tokens", "20", "--loop-stages", "2", "--loop-gate", "-inf",
-                 "--json"])
+                 "--json", "--no-lookup"])
     out = capsys.readouterr()
     assert code == 0, out.err
     rec = json.loads(out.out)
@@ -280,7 +286,7 @@ def test_api_generate_loops(dirs):
 
     target = Target(model, tiny_tokenizer(model.config.vocab_size), "tiny")
     res = generate(target, load_drafter(root / "d1"), [4, 5, 6], block_size=4, max_new_tokens=12, loop_stages=3,
-                   loop_gate=ALWAYS)
+                   loop_gate=ALWAYS, lookup=False)
     assert res.output_ids == hf_greedy(model, [4, 5, 6], 12)
     assert [c.stages for c in res.cycles] == stages_per_cycle(res.cycles, 3, 4, 3, 15) and res.mean_stages > 1
     assert res.config["loop_stages"] == 3
@@ -291,10 +297,10 @@ def test_bench_sweeps_loops_and_drafter_kinds(dirs, tmp_path, capsys):
     out = tmp_path / "run"
     base = ["bench", "--target", str(root / "target"), "--drafter", str(root / "d1"), "--drafter", str(root / "d2"),
             "--dataset", f"tiny={root / 'tiny.jsonl'}", "--methods", "ar,dflash", "--max-new-tokens", "24",
-            "--out", str(out)]
+            "--lookup", "off", "--out", str(out)]
     assert main([*base, "--loop-stages", "1,3", "--loop-gate", "-inf,-0.75"]) == 0
     s = json.loads((out / "summary.json").read_text())
-    labels = ["ar"] + [f"{k}[{d},b8{loop}]" for k, d in [("dflash", "d1"), ("dflash2", "d2")]
+    labels = ["ar"] + [f"{k}[{d},b8{loop},no-lookup]" for k, d in [("dflash", "d1"), ("dflash2", "d2")]
                        for loop in ["", ",s3,g-inf", ",s3,g-0.75"]]
     assert s["methods"] == labels and not s["correctness"]["failed"]
     assert s["correctness"]["mismatches"] == {m: 0 for m in labels[1:]}
@@ -307,9 +313,11 @@ def test_bench_sweeps_loops_and_drafter_kinds(dirs, tmp_path, capsys):
         if "g-inf" in m:  # three stages while they end before the end of the generation, fewer in the last cycles
             assert "3" in r["stages_hist"] and r["mean_stages"] > 1
     assert rows["ar"]["mean_stages"] is None and rows["ar"]["stages_hist"] == {}
-    assert s["variants"]["dflash2[d2,b8,s3,g-0.75]"] | {"drafter": None} == {
-        "method": "dflash", "drafter": None, "kind": "dflash2", "block_size": 8, "loop_stages": 3, "loop_gate": -0.75}
-    assert s["variants"]["dflash[d1,b8]"]["kind"] == "dflash" and "loop_stages" not in s["variants"]["dflash[d1,b8]"]
+    assert s["variants"]["dflash2[d2,b8,s3,g-0.75,no-lookup]"] | {"drafter": None} == {
+        "method": "dflash", "drafter": None, "kind": "dflash2", "block_size": 8, "lookup": False, "loop_stages": 3,
+        "loop_gate": -0.75}
+    plain = s["variants"]["dflash[d1,b8,no-lookup]"]
+    assert plain["kind"] == "dflash" and "loop_stages" not in plain
     recs = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
     for r in recs:
         for t in r["turns"]:

@@ -41,7 +41,7 @@ def test_partial_acceptance_paths_are_lossless(pair, error_rate, n_prompt):
     ref = hf_greedy(target, prompt, 48)
     for bs in BLOCK_SIZES[1:]:
         res = generate_ids(target, None, prompt, block_size=bs, max_new_tokens=48,
-                           propose=oracle_proposer(ref, error_rate, seed=bs, vocab=vocab))
+                           propose=oracle_proposer(ref, error_rate, seed=bs, vocab=vocab), lookup=False)
         assert_greedy_lossless(target, prompt, res.output_ids, ref)
         accepted = {c.accepted for c in res.cycles}
         if error_rate == 0.0:
@@ -75,14 +75,14 @@ def test_full_block_acceptance_reports_accepted_counts(pair):
     prompt = _prompt(10, target.config.vocab_size, seed=3)
     ref = hf_greedy(target, prompt, 33)
     res = generate_ids(target, None, prompt, block_size=8, max_new_tokens=33,
-                       propose=oracle_proposer(ref, 0.0, seed=0, vocab=target.config.vocab_size))
+                       propose=oracle_proposer(ref, 0.0, seed=0, vocab=target.config.vocab_size), lookup=False)
     assert res.output_ids == ref
     # 1 (prefill) + 4 cycles x 8 tokens = 33: as in the official loop, no cycle runs once every token owed is emitted
     assert [c.accepted for c in res.cycles] == [7, 7, 7, 7] and res.acceptance_lengths == [8, 8, 8, 8]
     for c in res.cycles:
         assert len(c.block) == 8 and c.emitted == c.block[1:] + [c.emitted[-1]]
     res = generate_ids(target, None, prompt, block_size=8, max_new_tokens=30,
-                       propose=oracle_proposer(ref, 0.0, seed=0, vocab=target.config.vocab_size))
+                       propose=oracle_proposer(ref, 0.0, seed=0, vocab=target.config.vocab_size), lookup=False)
     assert res.output_ids == ref[:30]
     # 29 tokens owed after the prefill: three full blocks, then verify_size = min(8, 5 + 1): the anchor and the
     # 5 drafts still owed; all are kept and the target's bonus token is not emitted

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from flashdraft.config import config_from_dict, config_to_dict, load_config
-from flashdraft.decode import generate_ids
+from flashdraft.decode import generate_ids as _generate_ids
 from flashdraft.drafter import ContextCache, draft_hidden, inference_masks
 from flashdraft.errors import FlashdraftError
 from flashdraft.train.mask import pad_anchors, training_masks
@@ -19,6 +19,12 @@ from helpers import hf_greedy, random_drafter, tiny_target
 from lossless import assert_greedy_lossless
 from reference import drafter_hidden, official_greedy, sees
 from test_checkpoint import official_config
+
+
+def generate_ids(*args, **kw):
+    """The official loop drafts every cycle: prompt lookup off unless a test turns it on."""
+    return _generate_ids(*args, **{"lookup": False, **kw})
+
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 WINDOW = 3  # smaller than the block and the context, so both sides of the window bite
@@ -164,7 +170,7 @@ def test_cli_replays_an_official_style_dflash2_checkpoint(tmp_path, capsys):
     prompt = [5, 9, 11, 40, 3, 17, 60]
     code = main(["generate", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
                  "--prompt-ids", ",".join(map(str, prompt)), "--block-size", "8", "--max-new-tokens", "48",
-                 "--temperature", "0", "--dtype", "float32", "--json"])
+                 "--temperature", "0", "--dtype", "float32", "--json", "--no-lookup"])
     out = capsys.readouterr()
     assert code == 0, out.err
     rec = json.loads(out.out)

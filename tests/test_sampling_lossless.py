@@ -22,7 +22,7 @@ def tiny():
 
 
 @torch.no_grad()
-def exact_distribution(target, params: SamplingParams) -> dict[tuple, float]:
+def exact_distribution(target, params: SamplingParams, prompt: list[int] = PROMPT) -> dict[tuple, float]:
     """P(x0, x1, x2 | prompt) under plain sampling from the processed target distribution, by enumeration."""
     probs: dict[tuple, float] = {(): 1.0}
     for _ in range(NEW):
@@ -30,20 +30,25 @@ def exact_distribution(target, params: SamplingParams) -> dict[tuple, float]:
         for seq, pr in probs.items():
             if pr == 0:
                 continue
-            p = process(target(torch.tensor([PROMPT + list(seq)])).logits[0, -1], params)
+            p = process(target(torch.tensor([prompt + list(seq)])).logits[0, -1], params)
             for tok in range(VOCAB):
                 nxt[seq + (tok,)] = pr * float(p[tok])
         probs = nxt
     return probs
 
 
-def empirical(target, drafter, params, block_size, n, seed0=0) -> dict[tuple, int]:
+def empirical(target, drafter, params, block_size, n, seed0=0, prompt: list[int] = PROMPT, lookup: bool = False,
+              lookups: list[int] | None = None) -> dict[tuple, int]:
+    """Counts of each output over n seeds; lookups (if given) collects each run's prompt-lookup cycles."""
     counts: dict[tuple, int] = {}
     for s in range(seed0, seed0 + n):
-        out = generate_ids(target, drafter, PROMPT, block_size=block_size, max_new_tokens=NEW,
-                           temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=s)
+        out = generate_ids(target, drafter, prompt, block_size=block_size, max_new_tokens=NEW,
+                           temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=s,
+                           lookup=lookup)
         key = tuple(out.output_ids)
         counts[key] = counts.get(key, 0) + 1
+        if lookups is not None:
+            lookups.append(out.lookup_cycles)
     return counts
 
 
@@ -95,3 +100,27 @@ def test_speculative_sampling_with_a_draft_vocabulary_matches_target(tiny):
     finally:
         drafter.draft_vocab = None
     assert p > ALPHA, f"speculative samples do not follow the target distribution (chi2 p={p:.2e})"
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_k=5, top_p=0.9)])
+def test_speculative_sampling_with_prompt_lookup_matches_target(tiny, params):
+    """Lookup drafts are deterministic (q one-hot): each is kept with the target's probability of it."""
+    target, drafter = tiny
+    prompt = [1, 5, 3, 6, 1, 5]  # repeats: lookup finds earlier n-grams in about a third of the runs
+    lookups: list[int] = []
+    counts = empirical(target, drafter, params, 3, 1500, seed0=20_000, prompt=prompt, lookup=True, lookups=lookups)
+    assert sum(n > 0 for n in lookups) > len(lookups) // 5  # the path under test ran
+    p = chi2_pvalue(counts, exact_distribution(target, params, prompt))
+    assert p > ALPHA, f"speculative samples with prompt lookup do not follow the target distribution (chi2 p={p:.2e})"
+
+
+def test_lookup_with_an_accept_all_verifier_fails_the_same_test(tiny, monkeypatch):
+    def accept_all(drafts, q, p, gen):
+        return drafts.shape[0], int(sample(p[-1], gen))
+
+    monkeypatch.setattr(decode_mod, "accept_sampling", accept_all)
+    target, drafter = tiny
+    prompt, params = [1, 5, 3, 6, 1, 5], SamplingParams(1.0)
+    counts = empirical(target, drafter, params, 3, 1500, prompt=prompt, lookup=True)
+    exact = exact_distribution(target, params, prompt)
+    assert any(exact.get(k, 0) == 0 for k in counts) or chi2_pvalue(counts, exact) < ALPHA

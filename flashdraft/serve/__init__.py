@@ -30,6 +30,8 @@ def add_serve(sub) -> None:
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--loop-stages", type=int, default=1, help="DLoop drafting stages per cycle (default 1)")
     p.add_argument("--loop-gate", type=float, default=-0.75, help="DLoop confidence gate (default -0.75)")
+    p.add_argument("--no-lookup", action="store_true",
+                   help="draft every cycle with the drafter (default: prompt lookup where the text's last n-gram recurs)")
     p.add_argument("--max-queue", type=int, default=8,
                    help="requests that may wait while one is decoded; more get 429 (default 8)")
     p.add_argument("--request-timeout", type=float, default=300.0,
@@ -102,7 +104,7 @@ def cmd_serve(args) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     target = load_target(args.target, dtype=args.dtype, device=device)
     drafter = load_drafter_or_plain(target, args.drafter, args.block_size)
-    engine = Engine(target, drafter, args.block_size, args.loop_stages, args.loop_gate)
+    engine = Engine(target, drafter, args.block_size, args.loop_stages, args.loop_gate, not args.no_lookup)
     limits = Limits(args.max_queue, args.request_timeout, args.max_body_bytes, args.shutdown_timeout)
     scheduler = Scheduler(engine, limits)
     model_id = args.served_model_name or served_name(args.target, DEFAULT_TARGET)

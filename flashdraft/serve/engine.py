@@ -130,14 +130,14 @@ class TextTracker:
 
 
 class Engine:
-    """A loaded target + drafter and the settings every request shares (block size, DLoop)."""
+    """A loaded target + drafter and the settings every request shares (block size, DLoop, prompt lookup)."""
 
     def __init__(self, target: Target, drafter: torch.nn.Module | None, block_size: int | None = None,
-                 loop_stages: int = 1, loop_gate: float = -0.75):
+                 loop_stages: int = 1, loop_gate: float = -0.75, lookup: bool = True):
         self.target, self.drafter = target, drafter
         default = drafter.config.block_size if drafter is not None else 1
         self.block_size = block_size if block_size is not None else default
-        self.loop_stages, self.loop_gate = loop_stages, loop_gate
+        self.loop_stages, self.loop_gate, self.lookup = loop_stages, loop_gate, lookup
         self.stop_ids = target.stop_token_ids()
 
     def cycles(self, req: GenRequest, timing: Timing) -> Iterator[Cycle]:
@@ -148,7 +148,7 @@ class Engine:
                                            self.loop_gate)
         return decode(model, req.prompt_ids, block_size=self.block_size, max_new_tokens=req.max_tokens,
                       params=params, layer_ids=layer_ids, propose=propose, seed=req.seed,
-                      stop_token_ids=self.stop_ids, timing=timing)
+                      stop_token_ids=self.stop_ids, timing=timing, lookup=self.lookup)
 
     def run(self, job: Job) -> None:
         """Worker thread: generate job.request, emitting text deltas per accepted block, then one final event."""
