@@ -12,6 +12,7 @@ from helpers import random_drafter, tiny_target
 
 ALPHA = 1e-3  # false-alarm rate: a correct sampler fails this test once in a thousand seeds
 VOCAB, PROMPT, NEW = 8, [1, 5, 3], 3
+LOOKUP_PROMPT = [1, 5, 3, 6, 1, 5]  # repeats: prompt lookup finds an earlier n-gram in about a third of the runs
 
 
 @pytest.fixture(scope="module")
@@ -77,15 +78,18 @@ def test_speculative_sampling_matches_target(tiny, params, block_size):
     assert p > ALPHA, f"speculative samples do not follow the target distribution (chi2 p={p:.2e})"
 
 
-def test_accept_all_verifier_fails_the_same_test(tiny, monkeypatch):
-    def accept_all(drafts, q, p, gen):
-        return drafts.shape[0], int(sample(p[-1], gen))
+def accept_all(drafts, q, p, gen):
+    """A broken verifier: keeps every draft."""
+    return drafts.shape[0], int(sample(p[-1], gen))
 
+
+@pytest.mark.parametrize("prompt,lookup", [(PROMPT, False), (LOOKUP_PROMPT, True)])
+def test_accept_all_verifier_fails_the_same_test(tiny, monkeypatch, prompt, lookup):
     monkeypatch.setattr(decode_mod, "accept_sampling", accept_all)
     target, drafter = tiny
     params, block_size = CASES[0]
-    counts = empirical(target, drafter, params, block_size, 1500)
-    exact = exact_distribution(target, params)
+    counts = empirical(target, drafter, params, block_size, 1500, prompt=prompt, lookup=lookup)
+    exact = exact_distribution(target, params, prompt)
     impossible = any(exact.get(k, 0) == 0 for k in counts)
     assert impossible or chi2_pvalue(counts, exact) < ALPHA
 
@@ -106,21 +110,9 @@ def test_speculative_sampling_with_a_draft_vocabulary_matches_target(tiny):
 def test_speculative_sampling_with_prompt_lookup_matches_target(tiny, params):
     """Lookup drafts are deterministic (q one-hot): each is kept with the target's probability of it."""
     target, drafter = tiny
-    prompt = [1, 5, 3, 6, 1, 5]  # repeats: lookup finds earlier n-grams in about a third of the runs
     lookups: list[int] = []
-    counts = empirical(target, drafter, params, 3, 1500, seed0=20_000, prompt=prompt, lookup=True, lookups=lookups)
+    counts = empirical(target, drafter, params, 3, 1500, seed0=20_000, prompt=LOOKUP_PROMPT, lookup=True,
+                       lookups=lookups)
     assert sum(n > 0 for n in lookups) > len(lookups) // 5  # the path under test ran
-    p = chi2_pvalue(counts, exact_distribution(target, params, prompt))
+    p = chi2_pvalue(counts, exact_distribution(target, params, LOOKUP_PROMPT))
     assert p > ALPHA, f"speculative samples with prompt lookup do not follow the target distribution (chi2 p={p:.2e})"
-
-
-def test_lookup_with_an_accept_all_verifier_fails_the_same_test(tiny, monkeypatch):
-    def accept_all(drafts, q, p, gen):
-        return drafts.shape[0], int(sample(p[-1], gen))
-
-    monkeypatch.setattr(decode_mod, "accept_sampling", accept_all)
-    target, drafter = tiny
-    prompt, params = [1, 5, 3, 6, 1, 5], SamplingParams(1.0)
-    counts = empirical(target, drafter, params, 3, 1500, prompt=prompt, lookup=True)
-    exact = exact_distribution(target, params, prompt)
-    assert any(exact.get(k, 0) == 0 for k in counts) or chi2_pvalue(counts, exact) < ALPHA
