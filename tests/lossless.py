@@ -6,6 +6,8 @@ import warnings
 
 import torch
 
+from flashdraft.decode import generate_ids
+
 NEAR_TIE = 1e-4  # fp32 logit gap below which block-vs-single-token numerics may flip an argmax
 
 
@@ -45,3 +47,9 @@ def oracle_proposer(reference: list[int], error_rate: float, seed: int, vocab: i
         return drafts, None
 
     return propose
+
+
+def generate_drafted(*args, **kw):
+    """generate_ids with prompt lookup off unless asked: every cycle drafted by the drafter or the given proposer,
+    for tests of the drafter's own accounting (official-loop blocks, DLoop stages, draft vocabulary)."""
+    return generate_ids(*args, **{"lookup": False, **kw})

@@ -9,19 +9,14 @@ import torch
 from flashdraft import Target, dloop, generate
 from flashdraft.checkpoint import save_drafter
 from flashdraft.cli import main
-from flashdraft.decode import drafter_proposer, generate_ids as _generate_ids
+from flashdraft.decode import drafter_proposer
 from flashdraft.dflash2 import upgrade_to_dflash2
 from flashdraft.errors import FlashdraftError
 from flashdraft.sampling import SamplingParams
 from helpers import hf_greedy, random_drafter, save_tiny_model_dir, tiny_target, tiny_tokenizer
-from lossless import assert_greedy_lossless
+from lossless import assert_greedy_lossless, generate_drafted as generate_ids
 from test_cache_alignment import _check
 from test_sampling_lossless import ALPHA, NEW, PROMPT, VOCAB, chi2_pvalue, exact_distribution
-
-
-def generate_ids(*args, **kw):
-    """DLoop's stage accounting holds for drafted cycles: prompt lookup off unless a test turns it on."""
-    return _generate_ids(*args, **{"lookup": False, **kw})
 
 
 ALWAYS, NEVER = -math.inf, math.inf  # gates: every later stage runs / none does

@@ -6,14 +6,9 @@ import pytest
 import torch
 
 from flashdraft.checkpoint import load_drafter, save_drafter
-from flashdraft.decode import generate_ids as _generate_ids
 from flashdraft.errors import FlashdraftError
 from helpers import hf_greedy, random_drafter, tiny_target
-
-
-def generate_ids(*args, **kw):
-    """Every draft here must come from the drafter: prompt lookup off unless a test turns it on."""
-    return _generate_ids(*args, **{"lookup": False, **kw})
+from lossless import generate_drafted as generate_ids
 
 
 VOCAB_IDS = torch.tensor(sorted(set(range(0, 96, 3)) | {7, 11}))

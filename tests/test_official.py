@@ -11,19 +11,13 @@ import pytest
 import torch
 
 from flashdraft.config import config_from_dict, config_to_dict, load_config
-from flashdraft.decode import generate_ids as _generate_ids
 from flashdraft.drafter import ContextCache, draft_hidden, inference_masks
 from flashdraft.errors import FlashdraftError
 from flashdraft.train.mask import pad_anchors, training_masks
 from helpers import hf_greedy, random_drafter, tiny_target
-from lossless import assert_greedy_lossless
+from lossless import assert_greedy_lossless, generate_drafted as generate_ids
 from reference import drafter_hidden, official_greedy, sees
 from test_checkpoint import official_config
-
-
-def generate_ids(*args, **kw):
-    """The official loop drafts every cycle: prompt lookup off unless a test turns it on."""
-    return _generate_ids(*args, **{"lookup": False, **kw})
 
 
 SLIDING, FULL = "sliding_attention", "full_attention"
