@@ -22,6 +22,7 @@ from typing import Callable
 
 from .errors import FlashdraftError
 from .jsonl import read_records
+from .tree import DEFAULT_TREE, resolve_tree
 
 HUB_DATASETS = {  # name → (hub id, config, split, record → turns)
     "gsm8k": ("openai/gsm8k", "main", "test", lambda r: [r["question"]]),
@@ -51,6 +52,7 @@ class Settings:
     loop_stages: int = 1  # DLoop stages per cycle (1 = plain DFlash)
     loop_gate: float = -0.75
     lookup: bool = True  # prompt lookup drafts where the context's last n-gram recurs (torch drafter methods)
+    tree: int = 0  # draft-tree nodes per drafter cycle at T=0 (tree.py); 0 verifies the drafter's chain
     server: object | None = None  # a llamacpp.LlamaServer (llama.cpp methods only)
 
 
@@ -81,7 +83,7 @@ def _flashdraft(target, ids: list[int], s: Settings, drafter, block_size: int) -
     r = generate_ids(target.model, drafter, ids, block_size=block_size, max_new_tokens=s.max_new_tokens,
                      temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
                      stop_token_ids=s.stop_token_ids, loop_stages=s.loop_stages, loop_gate=s.loop_gate,
-                     lookup=s.lookup)
+                     lookup=s.lookup, tree=s.tree if drafter is not None else 0)
     t = r.timing
     stages = [c.stages for c in r.cycles] if drafter is not None else []
     return Sample(r.output_ids, t.prefill_s, t.total_s, 1, r.acceptance_lengths, t.draft_s, t.verify_s, t.other_s,
@@ -327,9 +329,10 @@ class Gguf:
 
 def drafter_variants(target, m: str, drafters: list[str | None], block_sizes: list[int], base: Settings,
                      loops: list[tuple[int, float]], gguf: Gguf | None, threads: int | None,
-                     servers: list, lookups: list[bool] = (True,)) -> list[Variant]:
-    """One Variant per (drafter, block size, loop setting, lookup) of a drafter method; on llama.cpp per target file
-    instead of per lookup setting (llama.cpp drafts every cycle)."""
+                     servers: list, lookups: list[bool] = (True,),
+                     trees: list[int | None] = (None,)) -> list[Variant]:
+    """One Variant per (drafter, block size, loop setting, lookup, tree) of a drafter method; on llama.cpp per target
+    file instead of per lookup and tree setting (llama.cpp drafts a chain every cycle)."""
     from .models import load_drafter_for, registered_drafter
 
     out = []
@@ -360,15 +363,18 @@ def drafter_variants(target, m: str, drafters: list[str | None], block_sizes: li
                 out.append(Variant(variant_label(m, kind, [gguf.label] + parts), m,
                                    replace(base, block_size=b, server=server), desc))
                 continue
-            for (stages, gate), lookup in itertools.product(loops, lookups):
-                label_parts, vdesc = list(parts), {**desc, "lookup": lookup}
+            for (stages, gate), lookup, asked in itertools.product(loops, lookups, trees):
+                tree = resolve_tree(asked, stages)
+                label_parts, vdesc = list(parts), {**desc, "lookup": lookup, "tree": tree}
                 if stages > 1:
                     label_parts += [f"s{stages}", f"g{gate:g}"]
                     vdesc |= {"loop_stages": stages, "loop_gate": gate}
                 if len(lookups) > 1 or not lookup:  # on is the default and goes unlabelled alone
                     label_parts.append("lookup" if lookup else "no-lookup")
+                if len(trees) > 1 or tree != resolve_tree(None, stages):  # the default goes unlabelled alone
+                    label_parts.append(f"tree{tree}" if tree else "chain")
                 settings = replace(base, drafter=drafter, block_size=b, loop_stages=stages, loop_gate=gate,
-                                   lookup=lookup)
+                                   lookup=lookup, tree=tree)
                 out.append(Variant(variant_label(m, kind, label_parts), m, settings, vdesc))
     return out
 
@@ -383,7 +389,8 @@ def ctx_for(target) -> int:
 def build_variants(target, methods: list[str], drafters: list[str | None], block_sizes: list[int],
                    base: Settings, loop_stages: list[int] = (1,), loop_gates: list[float] = (-0.75,),
                    ggufs: list[Gguf] = (), threads: int | None = None,
-                   servers: list | None = None, lookups: list[bool] = (True,)) -> list[Variant]:
+                   servers: list | None = None, lookups: list[bool] = (True,),
+                   trees: list[int | None] = (None,)) -> list[Variant]:
     """One Variant per method, per (drafter, block size, loop setting) for drafter methods and per --gguf file for
     llama.cpp methods; stable labels. llama.cpp servers are created (not started) and appended to `servers`."""
     servers = [] if servers is None else servers
@@ -393,7 +400,8 @@ def build_variants(target, methods: list[str], drafters: list[str | None], block
         files = list(ggufs) if m in LLAMACPP_METHODS else [None]
         for g in files:
             if m in DRAFTER_METHODS:
-                out += drafter_variants(target, m, drafters, block_sizes, base, loops, g, threads, servers, lookups)
+                out += drafter_variants(target, m, drafters, block_sizes, base, loops, g, threads, servers, lookups,
+                                        trees)
             elif g is not None:
                 from .llamacpp import LlamaServer
 
@@ -598,6 +606,9 @@ def add_bench(sub) -> None:
     p.add_argument("--lookup", default="on",
                    help="prompt lookup for dflash: on, off, or on,off to compare side by side (default on: where the "
                         "context's last n-gram recurs, verify what followed it instead of drafting)")
+    p.add_argument("--tree",
+                   help="draft-tree nodes per drafter cycle at temperature 0, comma-separated to sweep, e.g. 0,7 "
+                        f"(default {DEFAULT_TREE}, 0 with DLoop; 0 verifies the drafter's chain)")
     p.add_argument("--max-samples", type=int, help="prompts per dataset (a fixed-seed random subset)")
     p.add_argument("--subsample-seed", type=int, default=0, help="seed for --max-samples sub-sampling (default 0)")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -680,6 +691,20 @@ def parse_lookup(text: str) -> list[bool]:
     return [v == "on" for v in dict.fromkeys(values)]
 
 
+def parse_trees(text: str | None, loop_stages: list[int]) -> list[int | None]:
+    """--tree '0,7' → [0, 7], checked (node counts >= 0; trees and DLoop do not combine); none given: [None], each
+    variant's default (DEFAULT_TREE, the chain under DLoop)."""
+    if text is None:
+        return [None]
+    trees = list(dict.fromkeys(parse_list(text, "--tree", int)))
+    for t in trees:
+        if t < 0:
+            raise FlashdraftError(f"--tree takes node counts >= 0 (0 verifies the drafter's chain), got {t}")
+    if any(trees) and max(loop_stages) > 1:
+        raise FlashdraftError("--tree and --loop-stages > 1 do not combine; sweep them in separate runs")
+    return trees
+
+
 def parse_loops(args) -> tuple[list[int], list[float]]:
     """--loop-stages and --loop-gate as checked lists."""
     from .dloop import check_loop
@@ -727,6 +752,7 @@ def cmd_bench(args) -> int:
     methods = parse_methods(args.methods, reference=not args.no_ar)
     loop_stages, loop_gates = parse_loops(args)
     lookups = parse_lookup(args.lookup)
+    trees = parse_trees(args.tree, loop_stages)
     labels = [parse_dataset(d) for d in args.dataset]
     if len({lab for lab, _ in labels}) != len(labels):
         raise FlashdraftError(f"two datasets share the label {[lab for lab, _ in labels]}; use NAME=PATH to name them")
@@ -746,7 +772,7 @@ def cmd_bench(args) -> int:
     ggufs = resolve_ggufs(args.gguf, target.name) if uses_llamacpp else []
     servers: list = []
     variants = build_variants(target, methods, args.drafter or [None], args.block_size or [], base, loop_stages,
-                              loop_gates, ggufs, args.threads, servers, lookups)
+                              loop_gates, ggufs, args.threads, servers, lookups, trees)
     config = {"target": target.name, "dtype": args.dtype, "device": device, "chat": not args.no_chat,
               "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
               "top_k": args.top_k, "seed": args.seed, "lookup_tokens": args.lookup_tokens,

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from .errors import FlashdraftError
+from .tree import DEFAULT_TREE, resolve_tree
 
 DEFAULT_DTYPE = "float32"
 
@@ -67,6 +68,9 @@ def add_generate(sub) -> None:
     p.add_argument("--no-lookup", action="store_true",
                    help="draft every cycle with the drafter; by default, where the text's last n-gram recurs, the "
                         "tokens that followed it are verified instead (prompt lookup, no drafter pass)")
+    p.add_argument("--tree", type=int,
+                   help="at temperature 0, verify a tree of this many drafted nodes per drafter cycle: the drafter's "
+                        f"likeliest continuations, not one chain (default {DEFAULT_TREE}, 0 with DLoop; 0 = the chain)")
     p.add_argument("--compare-ar", action="store_true", help="also decode plainly and report speedup and identity")
     p.add_argument("--engine", choices=["torch", "llamacpp"], default="torch",
                    help="torch (default) or llamacpp: llama.cpp's own DFlash with the drafter exported to GGUF "
@@ -88,6 +92,7 @@ def cmd_generate(args) -> int:
     params = SamplingParams(args.temperature, args.top_k, args.top_p)
     check_args(args.block_size if args.block_size is not None else 1, args.max_new_tokens)
     check_loop(args.loop_stages, args.loop_gate)
+    tree = resolve_tree(args.tree, args.loop_stages)
     if args.prompt is None and args.prompt_ids is None:
         raise FlashdraftError("give a prompt: flashdraft generate \"text\" or --prompt-ids 1,2,3")
     if args.prompt is not None and args.prompt_ids is not None:
@@ -104,6 +109,8 @@ def cmd_generate(args) -> int:
         raise FlashdraftError("--loop-stages (DLoop) runs on the torch engine only; drop it or use --engine torch")
     if args.engine == "llamacpp" and args.no_lookup:
         raise FlashdraftError("--no-lookup is for --engine torch (llama.cpp drafts every cycle); drop it")
+    if args.engine == "llamacpp" and args.tree is not None:
+        raise FlashdraftError("--tree is for --engine torch (llama.cpp verifies a chain); drop it")
     target = load_target(args.target, dtype=args.dtype, device=device)
     ids = prompt_ids if prompt_ids is not None else target.encode(args.prompt, chat=not args.no_chat)
     check_prompt(target.model, ids)
@@ -114,7 +121,7 @@ def cmd_generate(args) -> int:
     stops = target.stop_token_ids() if stops is None else stops
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=params.temperature, top_k=params.top_k,
               top_p=params.top_p, seed=args.seed, stop_token_ids=stops)
-    loop = dict(loop_stages=args.loop_stages, loop_gate=args.loop_gate, lookup=not args.no_lookup)
+    loop = dict(loop_stages=args.loop_stages, loop_gate=args.loop_gate, lookup=not args.no_lookup, tree=tree)
     if args.compare_ar:  # warm both paths so neither pays first-call costs in the comparison
         generate_ids(target.model, drafter, ids, block_size=block_size, **{**kw, "max_new_tokens": 4}, **loop)
         generate_ids(target.model, None, ids, block_size=1, **{**kw, "max_new_tokens": 4})
@@ -128,9 +135,10 @@ def cmd_generate(args) -> int:
     loop_note = (f", {result.mean_stages:.2f} of up to {args.loop_stages} drafting stages per cycle at gate "
                  f"{args.loop_gate:g}" if args.loop_stages > 1 and result.config["block_size"] > 1 else "")
     look_note = f" ({result.lookup_cycles} by prompt lookup)" if result.config["lookup"] else ""
+    tree_note = f", tree {result.config['tree']}" if result.config["tree"] else ""
     summary = (f"flashdraft: {result.num_new_tokens} new tokens, τ {result.tau:.2f} over {len(result.cycles)} cycles"
                f"{look_note}, "
-               f"{t.tokens_per_s:.1f} tok/s (block {result.config['block_size']}{loop_note}, {args.dtype})")
+               f"{t.tokens_per_s:.1f} tok/s (block {result.config['block_size']}{tree_note}{loop_note}, {args.dtype})")
     if args.compare_ar:
         ar = generate_ids(target.model, None, ids, block_size=1, **kw)
         same = ar.output_ids == result.output_ids

@@ -17,7 +17,9 @@ from . import target as T
 from .drafter import ContextCache, draft_hidden, proposal_logits
 from .errors import FlashdraftError
 from .lookup import LOOKUP_BLOCK, lookup_drafts, one_hot_q
+from .dflash2 import selector_children, top_children
 from .sampling import SamplingParams, accept_greedy, accept_sampling, process, sample
+from .tree import TREE_WIDTH, accept_tree_greedy, best_first_tree, node_depths, resolve_tree
 
 
 @dataclass
@@ -51,6 +53,7 @@ class Cycle:
     emitted: list[int]  # tokens this cycle added to the output (after stop / length truncation)
     stages: int = 0  # drafting stages of b-1 drafts each behind this block (1: plain DFlash; 0: block size 1 or lookup)
     lookup: bool = False  # the drafts came from prompt lookup (lookup.py), not the drafter
+    parents: list[int] | None = None  # a draft tree (tree.py): each draft's parent among the drafts, -1: the anchor
 
 
 @dataclass
@@ -101,7 +104,8 @@ class GenerationResult:
         return {
             "output_ids": self.output_ids, "text": self.text, "num_prompt_tokens": self.num_prompt_tokens,
             "num_new_tokens": self.num_new_tokens, "acceptance_lengths": self.acceptance_lengths,
-            "cycles": [{"block": c.block, "accepted": c.accepted, "stages": c.stages, "lookup": c.lookup}
+            "cycles": [{"block": c.block, "accepted": c.accepted, "stages": c.stages, "lookup": c.lookup,
+                        "parents": c.parents}
                        for c in self.cycles],
             "timing": asdict(self.timing), "config": self.config,
         }
@@ -114,6 +118,9 @@ Proposer = Callable[[DecodeState, int, int], tuple[torch.Tensor, torch.Tensor | 
 # stage(cache, new_features [1, n, F], inputs, start, n) -> (drafts [n], q [n, V] or None, raw drafter logits [n, V])
 StageDrafter = Callable[[ContextCache, torch.Tensor, list[int], int, int],
                         tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]
+
+# propose_tree(state, start, b) -> (node tokens [N], parents [N]): a draft tree at most b-1 deep (tree.py), greedy only
+TreeProposer = Callable[[DecodeState, int, int], tuple[torch.Tensor, list[int]]]
 
 
 def stage_drafter(model: PreTrainedModel, drafter: torch.nn.Module, params: SamplingParams,
@@ -151,6 +158,25 @@ def drafter_proposer(model: PreTrainedModel, drafter: torch.nn.Module, params: S
     return propose
 
 
+def tree_proposer(model: PreTrainedModel, drafter: torch.nn.Module, budget: int, width: int = TREE_WIDTH) -> TreeProposer:
+    """One drafter pass, then the `budget` likeliest nodes of its continuations (tree.py), at most b-1 deep."""
+    embed, head, mask_id = T.embed(model), T.lm_head(model), drafter.config.mask_token_id
+    selector = getattr(drafter, "candidate_selector", None)
+    dtype = next(drafter.parameters()).dtype
+
+    def propose(state: DecodeState, start: int, b: int):
+        anchor = state.tokens[-1]
+        block = torch.tensor([anchor] + [mask_id] * (b - 1), device=model.device)
+        hidden = draft_hidden(drafter, state.draft_cache, state.take_pending()[None], embed(block)[None].to(dtype), start)
+        logits = proposal_logits(drafter, hidden, head, b - 1)
+        children = (selector_children(selector, hidden[-(b - 1):], logits, width) if selector is not None
+                    else top_children(logits, width))
+        tokens, parents = best_first_tree(children, anchor, b - 1, budget)
+        return torch.tensor(tokens, dtype=torch.long, device=model.device), parents
+
+    return propose
+
+
 def _now(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -176,10 +202,13 @@ def check_args(block_size: int, max_new_tokens: int) -> None:
 def decode(model: PreTrainedModel, prompt_ids: list[int], *, block_size: int, max_new_tokens: int,
            params: SamplingParams, layer_ids: list[int], propose: Proposer | None, seed: int = 0,
            stop_token_ids: list[int] | tuple = (), timing: Timing | None = None,
-           state_hook: Callable[[DecodeState], None] | None = None, lookup: bool = False) -> Iterator[Cycle]:
+           state_hook: Callable[[DecodeState], None] | None = None, lookup: bool = False,
+           propose_tree: TreeProposer | None = None) -> Iterator[Cycle]:
     """Yield one Cycle per target verify; the prefill's first token comes as a Cycle with an empty block.
 
     lookup: draft by prompt lookup (lookup.py) whenever the context's last n-gram recurs, and by `propose` otherwise.
+    propose_tree: at temperature 0, draft a tree (tree.py) instead of calling `propose` (a chain), where the target's
+    cache can compact a verified path (every layer full attention); elsewhere `propose` drafts as usual.
     """
     check_args(block_size, max_new_tokens)
     T.check_prompt(model, prompt_ids)
@@ -196,6 +225,8 @@ def decode(model: PreTrainedModel, prompt_ids: list[int], *, block_size: int, ma
 
     t0 = _now(dev)
     state = DecodeState(list(prompt_ids), len(prompt_ids), T.new_cache(model), len(prompt_ids) + room)
+    if not (params.greedy and T.supports_tree(state.target_cache)):
+        propose_tree = None
     out = T.forward(model, torch.tensor(prompt_ids, device=dev), 0, state.target_cache, layer_ids, logits_to_keep=1)
     first = pick(out.logits[-1])
     if layer_ids:
@@ -217,53 +248,66 @@ def decode(model: PreTrainedModel, prompt_ids: list[int], *, block_size: int, ma
         t1 = _now(dev)
         k = min(max(b, LOOKUP_BLOCK), state.end - start) - 1  # a lookup draft may run past a small drafter block
         look = lookup_drafts(state.tokens, k) if lookup and b > 1 else []
+        parents = None  # a chain; else the drafts are a tree's nodes
         if look:
             drafts, q = torch.tensor(look, device=dev), None
+        elif b > 1 and propose_tree is not None:
+            (drafts, parents), q = propose_tree(state, start, b), None
         elif b > 1:
             drafts, q = propose(state, start, b)
         else:
             drafts, q = torch.zeros(0, dtype=torch.long, device=dev), None
         t2 = _now(dev)
-        if start + 1 + len(drafts) > state.end:
-            raise RuntimeError(f"the proposer drafted {len(drafts)} tokens at {start}, past the end {state.end}")
+        span = len(drafts) if parents is None else max(node_depths(parents), default=0)
+        if start + 1 + span > state.end:
+            raise RuntimeError(f"the proposer drafted {span} tokens deep at {start}, past the end {state.end}")
         block = torch.cat([torch.tensor([state.tokens[-1]], device=dev), drafts])
-        out = T.forward(model, block, start, state.target_cache, layer_ids)
+        out = T.forward(model, block, start, state.target_cache, layer_ids, parents=parents)
         t3 = _now(dev)
-        if params.greedy:
+        path = None  # the accepted nodes of a tree
+        if parents is not None:
+            path, nxt = accept_tree_greedy(drafts.tolist(), parents, out.logits.argmax(-1).tolist())
+            n_acc = len(path)
+        elif params.greedy:
             n_acc, nxt = accept_greedy(drafts, out.logits.argmax(-1))
         else:
             if look:  # a deterministic draft: q is one-hot, so each draft is kept with the target's probability of it
                 q = one_hot_q(drafts, out.logits.shape[-1])
             n_acc, nxt = accept_sampling(drafts, q if q is not None else out.logits[:0], process(out.logits, params), gen)
-        new, stopped = _truncate(drafts[:n_acc].tolist() + [nxt], stop, room)
+        kept = drafts[path].tolist() if path is not None else drafts[:n_acc].tolist()
+        new, stopped = _truncate(kept + [nxt], stop, room)
         # commit the anchor and the drafts that were emitted; the last emitted token is the next anchor
-        T.rollback_to(state.target_cache, start + len(new))
+        rows = [0] + [i + 1 for i in path] if path is not None else list(range(n_acc + 1))
+        rows = rows[: len(new)]
+        T.keep_rows(state.target_cache, start, rows)
         if layer_ids:
-            state.add_pending(out.features[: len(new)])
+            state.add_pending(out.features[rows])
         room -= len(new)
         state.tokens.extend(new)
         timing.draft_s += t2 - t1
         timing.verify_s += t3 - t2
         if state_hook:
             state_hook(state)
-        stages = -(-len(drafts) // (b - 1)) if b > 1 and not look else 0  # DLoop stages each add b-1 drafts
-        yield Cycle(block.tolist(), n_acc, new, stages, bool(look))
+        stages = -(-len(drafts) // (b - 1)) if b > 1 and not look and path is None else int(path is not None)
+        yield Cycle(block.tolist(), n_acc, new, stages, bool(look), parents)
 
 
 def drafter_setup(model: PreTrainedModel, drafter: torch.nn.Module | None, block_size: int, params: SamplingParams,
-                  seed: int, loop_stages: int = 1, loop_gate: float = -0.75) -> tuple[list[int], Proposer | None]:
-    """(target layer ids to collect, the drafter's proposer) for a generation; ([], None) when decoding plainly.
+                  seed: int, loop_stages: int = 1, loop_gate: float = -0.75,
+                  tree: int = 0) -> tuple[list[int], Proposer | None, TreeProposer | None]:
+    """(target layer ids to collect, the drafter's chain proposer, its tree proposer when tree > 0) for a generation;
+    ([], None, None) when decoding plainly.
 
     The proposer draws from its own generator (seed + 1), so the same seed gives the same output everywhere.
     """
     from .dloop import looped_proposer  # dloop builds on this module
 
     if drafter is None or block_size <= 1:
-        return [], None
+        return [], None, None
     gen = torch.Generator(device=model.device).manual_seed(seed + 1)
     propose = (drafter_proposer(model, drafter, params, gen) if loop_stages == 1
                else looped_proposer(model, drafter, params, gen, loop_stages, loop_gate))
-    return list(drafter.config.target_layer_ids), propose
+    return list(drafter.config.target_layer_ids), propose, tree_proposer(model, drafter, tree) if tree else None
 
 
 def generate_ids(model: PreTrainedModel, drafter: torch.nn.Module | None, prompt_ids: list[int], *,
@@ -272,11 +316,14 @@ def generate_ids(model: PreTrainedModel, drafter: torch.nn.Module | None, prompt
                  on_tokens: Callable[[list[int]], None] | None = None,
                  state_hook: Callable[[DecodeState], None] | None = None,
                  propose: Proposer | None = None, loop_stages: int = 1, loop_gate: float = -0.75,
-                 lookup: bool = True) -> GenerationResult:
+                 lookup: bool = True, tree: int | None = None) -> GenerationResult:
     """Speculative decoding of prompt_ids with drafter (None and block size 1: plain autoregressive).
 
     lookup (on by default): where the context's last n-gram recurs, verify the tokens that followed it instead of
     running the drafter (prompt lookup, lookup.py); lossless like any draft. Off, every cycle is drafted.
+
+    tree: at temperature 0, each drafter cycle verifies a tree of that many drafted nodes (tree.py) instead of the
+    drafter's b-1 chain; 0 verifies the chain. None: DEFAULT_TREE with the drafter's own one-stage proposer, else 0.
 
     loop_stages > 1 turns on DLoop (dloop.py): after each drafting stage whose summed draft log-probability exceeds
     loop_gate, the drafter drafts another b-1 tokens after the unverified ones, up to loop_stages stages per cycle.
@@ -287,16 +334,18 @@ def generate_ids(model: PreTrainedModel, drafter: torch.nn.Module | None, prompt
     check_loop(loop_stages, loop_gate)
     if loop_stages > 1 and propose is not None:
         raise FlashdraftError("loop_stages applies to the drafter's own proposer; drop it or loop inside `propose`")
+    tree = resolve_tree(tree, loop_stages, own_proposer=propose is None)
     if block_size is None:
         block_size = drafter.config.block_size if drafter is not None else 1
-    layer_ids, own = drafter_setup(model, drafter, block_size, params, seed, loop_stages, loop_gate)
+    layer_ids, own, propose_tree = drafter_setup(model, drafter, block_size, params, seed, loop_stages, loop_gate,
+                                                 tree)
     propose = propose or own
     timing = Timing()
     t0 = time.perf_counter()
     cycles, output = [], []
     for cycle in decode(model, prompt_ids, block_size=block_size, max_new_tokens=max_new_tokens, params=params,
                         layer_ids=layer_ids, propose=propose, seed=seed, stop_token_ids=stop_token_ids,
-                        timing=timing, state_hook=state_hook, lookup=lookup):
+                        timing=timing, state_hook=state_hook, lookup=lookup, propose_tree=propose_tree):
         output.extend(cycle.emitted)
         if cycle.block:
             cycles.append(cycle)
@@ -306,5 +355,6 @@ def generate_ids(model: PreTrainedModel, drafter: torch.nn.Module | None, prompt
     timing.other_s = max(0.0, timing.total_s - timing.prefill_s - timing.draft_s - timing.verify_s)
     timing.tokens_per_s = len(output) / timing.total_s if timing.total_s > 0 else 0.0
     config = {"block_size": block_size, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
-              "loop_stages": loop_stages, "loop_gate": loop_gate, "lookup": lookup and block_size > 1}
+              "loop_stages": loop_stages, "loop_gate": loop_gate, "lookup": lookup and block_size > 1,
+              "tree": tree if layer_ids and params.greedy else 0}
     return GenerationResult(output, len(prompt_ids), cycles, timing, config)

@@ -90,6 +90,29 @@ class CandidateSelector(nn.Module):
         return torch.stack(drafts) if drafts else cand[:, 0], q
 
 
+def top_children(logits: torch.Tensor, width: int) -> Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]:
+    """Tree children of a drafter without a selector: position d's top-`width` log-probabilities, whatever the parent."""
+    lp, ids = torch.log_softmax(logits.float(), -1).topk(min(width, logits.shape[-1]), -1)  # [B-1, width]
+    return lambda d, prev: (lp[d], ids[d])
+
+
+def selector_children(selector: CandidateSelector, hidden: torch.Tensor, logits: torch.Tensor,
+                      width: int) -> Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]:
+    """Tree children under DFlash 2: position d's top-k candidates rescored S_d(parent, ·), the best `width` of them.
+
+    hidden [B-1, H], logits [B-1, V]; the log-probabilities are the softmax over the k candidates, the q of the walk.
+    """
+    k = min(selector.top_k, logits.shape[-1])
+    scores, cand = logits.float().topk(k, -1)  # [B-1, k]
+
+    def children(d: int, prev: int) -> tuple[torch.Tensor, torch.Tensor]:
+        s = selector.pair_scores(hidden[d].float(), torch.tensor(prev, device=cand.device), cand[d], scores[d])
+        lp, j = torch.log_softmax(s, -1).topk(min(width, k))
+        return lp, cand[d, j]
+
+    return children
+
+
 def selector_loss(selector: CandidateSelector, hidden: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor,
                   prev: torch.Tensor, w: torch.Tensor, vocab_ids: torch.Tensor | None = None,
                   insert_gold: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

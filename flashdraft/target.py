@@ -15,6 +15,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from .errors import FlashdraftError
+from .tree import node_depths
 
 
 @dataclass
@@ -134,17 +135,41 @@ def use_grouped_sdpa(model: PreTrainedModel) -> bool:
     return True
 
 
+def ancestors(parents: list[int]) -> torch.Tensor:
+    """[N+1, N+1] bool: row i sees column j when j is i or an ancestor of i; row/column 0 is the anchor."""
+    n = len(parents) + 1
+    see = torch.eye(n, dtype=torch.bool)
+    see[:, 0] = True
+    for i, p in enumerate(parents, start=1):
+        if p >= 0:
+            see[i] |= see[p + 1]
+    return see
+
+
+def tree_mask(parents: list[int], start: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive attention mask [1, 1, N+1, start+N+1] for the anchor and the nodes on top of `start` cached positions."""
+    see = torch.cat([torch.ones(len(parents) + 1, start, dtype=torch.bool), ancestors(parents)], 1)
+    mask = torch.zeros(see.shape, dtype=dtype).masked_fill(~see, torch.finfo(dtype).min)
+    return mask[None, None].to(device)
+
+
 def forward(model: PreTrainedModel, ids: torch.Tensor, start: int, cache: DynamicCache,
-            layer_ids: list[int], logits_to_keep: int = 0) -> TargetOutput:
+            layer_ids: list[int], logits_to_keep: int = 0, parents: list[int] | None = None) -> TargetOutput:
     """Run ids [n] at positions start..start+n-1 on top of cache; features are hidden_states[i + 1] for i in layer_ids.
 
-    logits_to_keep=0 keeps all n positions' logits, k>0 only the last k.
+    logits_to_keep=0 keeps all n positions' logits, k>0 only the last k. With parents (tree.py), ids are an anchor and
+    a draft tree: row i+1 sits at position start + its depth and sees the context and its own ancestors only.
     """
     if cache.get_seq_length() != start:
         raise RuntimeError(f"target cache holds {cache.get_seq_length()} positions, expected {start}")
-    pos = torch.arange(start, start + ids.shape[0], device=ids.device)[None]
+    extra = {}
+    if parents is None:
+        pos = torch.arange(start, start + ids.shape[0], device=ids.device)[None]
+    else:
+        pos = torch.tensor([0] + node_depths(parents), device=ids.device)[None] + start
+        extra["attention_mask"] = tree_mask(parents, start, model.dtype, ids.device)
     out = model(input_ids=ids[None], position_ids=pos, use_cache=True, output_hidden_states=bool(layer_ids),
-                logits_to_keep=logits_to_keep, **{cache_kwarg(model): cache})
+                logits_to_keep=logits_to_keep, **extra, **{cache_kwarg(model): cache})
     feats = torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], -1) if layer_ids else ids.new_zeros(0)
     return TargetOutput(out.logits[0].float(), feats)
 
@@ -166,6 +191,22 @@ def rollback_to(cache: DynamicCache, n: int) -> None:
         raise RuntimeError(f"cannot roll back to {n}: the cache only holds {cache.get_seq_length()} positions")
     if extra:
         cache.crop(-extra)  # a negative count removes that many trailing positions (all transformers versions)
+
+
+def supports_tree(cache: DynamicCache) -> bool:
+    """Whether keep_rows can compact this cache: every layer a full-attention GrowingLayer."""
+    return all(type(layer) is GrowingLayer for layer in cache.layers)
+
+
+def keep_rows(cache: DynamicCache, start: int, rows: list[int]) -> None:
+    """Keep the verified block's rows `rows` (relative to start, increasing) as positions start.. and drop the rest."""
+    if rows == list(range(len(rows))):
+        return rollback_to(cache, start + len(rows))
+    idx = torch.tensor(rows) + start
+    for layer in cache.layers:
+        for buf in (layer.keys, layer.values):
+            buf[..., start:start + len(rows), :] = buf[..., idx.to(buf.device), :]  # the gather copies first
+        layer.end = start + len(rows)
 
 
 def check_prompt(model: PreTrainedModel, ids: list[int]) -> None:

@@ -50,6 +50,6 @@ def oracle_proposer(reference: list[int], error_rate: float, seed: int, vocab: i
 
 
 def generate_drafted(*args, **kw):
-    """generate_ids with prompt lookup off unless asked: every cycle drafted by the drafter or the given proposer,
-    for tests of the drafter's own accounting (official-loop blocks, DLoop stages, draft vocabulary)."""
-    return generate_ids(*args, **{"lookup": False, **kw})
+    """generate_ids with prompt lookup and draft trees off unless asked: every cycle is the drafter's (or the given
+    proposer's) chain, for tests of the drafter's own accounting (official-loop blocks, DLoop stages, draft vocabulary)."""
+    return generate_ids(*args, **{"lookup": False, "tree": 0, **kw})

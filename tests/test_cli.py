@@ -6,6 +6,7 @@ import pytest
 
 from flashdraft.checkpoint import save_drafter
 from flashdraft.cli import main
+from flashdraft.tree import node_depths
 from helpers import hf_greedy, random_drafter, save_tiny_model_dir
 
 
@@ -36,18 +37,27 @@ def test_json_record(dirs, capsys):
     assert rec["output_ids"] == hf_greedy(model, prompt, 48)
     assert rec["num_prompt_tokens"] == 5 and rec["num_new_tokens"] == 48
     assert rec["acceptance_lengths"] == [c["accepted"] + 1 for c in rec["cycles"]]
-    # each block is [anchor, drafts]: the anchor is the last emitted token, kept drafts are the next outputs; as in
-    # the official loop it verifies at most the tokens still owed: min(block size, prompt + 48 - anchor position)
+    # each block is [anchor, drafts]: the anchor is the last emitted token, kept drafts are the next outputs. A chain
+    # (lookup) holds max(8, block size) drafts at most; a tree (the drafter's cycles) 7 nodes, its kept drafts a root
+    # path, never deeper than the tokens still owed (prompt + 48 - anchor position)
     pos, out_ids = 0, rec["output_ids"]
     for c in rec["cycles"]:
-        assert len(c["block"]) == min(8, 48 - pos)
         assert c["block"][0] == out_ids[pos]
-        assert c["block"][1: c["accepted"] + 1] == out_ids[pos + 1: pos + 1 + c["accepted"]]
+        kept = out_ids[pos + 1: pos + 1 + c["accepted"]]
+        if c["parents"] is None:
+            assert c["lookup"] or len(c["block"]) == 1
+            assert len(c["block"]) <= min(8, 48 - pos) and c["block"][1: c["accepted"] + 1] == kept
+        else:
+            assert len(c["block"]) == 1 + len(c["parents"]) <= 8
+            assert max(node_depths(c["parents"])) <= min(7, 48 - pos - 1)
+            node = -1
+            for t in kept:
+                node = next(i for i, (d, p) in enumerate(zip(c["block"][1:], c["parents"])) if d == t and p == node)
         pos += c["accepted"] + 1
     assert pos >= len(out_ids) - 1
     assert set(rec["timing"]) == {"prefill_s", "draft_s", "verify_s", "other_s", "total_s", "tokens_per_s"}
     assert rec["config"] == {"block_size": 8, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0,
-                             "loop_stages": 1, "loop_gate": -0.75, "lookup": True}
+                             "loop_stages": 1, "loop_gate": -0.75, "lookup": True, "tree": 7}
     assert all(c["stages"] == (0 if c["lookup"] else 1) for c in rec["cycles"])  # lookup cycles run no drafter
     assert "τ" in err
 

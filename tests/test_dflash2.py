@@ -97,8 +97,9 @@ def test_upgraded_from_dflash1_drafts_identically():
     d1 = random_drafter(target, block_size=8)
     d2 = upgrade_to_dflash2(d1, conv_group_size=16, selector_rank=8, selector_top_k=4)
     prompt = list(range(5, 25))
-    a = generate_ids(target, d1, prompt, max_new_tokens=40)
-    b = generate_ids(target, d2, prompt, max_new_tokens=40)
+    # chains: the upgrade keeps each position's top-1 draft (tree runner-ups are ranked over the selector's top-k)
+    a = generate_ids(target, d1, prompt, max_new_tokens=40, tree=0)
+    b = generate_ids(target, d2, prompt, max_new_tokens=40, tree=0)
     assert [c.block for c in a.cycles] == [c.block for c in b.cycles]
 
 

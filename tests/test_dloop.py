@@ -95,7 +95,7 @@ def test_one_stage_is_plain_dflash(temperature):
     target = tiny_target("llama")
     drafter = random_drafter(target, block_size=4)
     prompt = _prompt(12, target.config.vocab_size)
-    kw = dict(block_size=4, max_new_tokens=20, temperature=temperature, seed=3)
+    kw = dict(block_size=4, max_new_tokens=20, temperature=temperature, seed=3, tree=0)  # DLoop extends the chain
     plain = generate_ids(target, drafter, prompt, **kw)
     assert _blocks(generate_ids(target, drafter, prompt, **kw, loop_stages=1, loop_gate=ALWAYS)) == _blocks(plain)
     assert _blocks(generate_ids(target, drafter, prompt, **kw, loop_stages=4, loop_gate=NEVER)) == _blocks(plain)
@@ -309,8 +309,8 @@ def test_bench_sweeps_loops_and_drafter_kinds(dirs, tmp_path, capsys):
             assert "3" in r["stages_hist"] and r["mean_stages"] > 1
     assert rows["ar"]["mean_stages"] is None and rows["ar"]["stages_hist"] == {}
     assert s["variants"]["dflash2[d2,b8,s3,g-0.75,no-lookup]"] | {"drafter": None} == {
-        "method": "dflash", "drafter": None, "kind": "dflash2", "block_size": 8, "lookup": False, "loop_stages": 3,
-        "loop_gate": -0.75}
+        "method": "dflash", "drafter": None, "kind": "dflash2", "block_size": 8, "lookup": False, "tree": 0,
+        "loop_stages": 3, "loop_gate": -0.75}
     plain = s["variants"]["dflash[d1,b8,no-lookup]"]
     assert plain["kind"] == "dflash" and "loop_stages" not in plain
     recs = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]

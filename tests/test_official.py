@@ -164,7 +164,7 @@ def test_cli_replays_an_official_style_dflash2_checkpoint(tmp_path, capsys):
     prompt = [5, 9, 11, 40, 3, 17, 60]
     code = main(["generate", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
                  "--prompt-ids", ",".join(map(str, prompt)), "--block-size", "8", "--max-new-tokens", "48",
-                 "--temperature", "0", "--dtype", "float32", "--json", "--no-lookup"])
+                 "--temperature", "0", "--dtype", "float32", "--json", "--no-lookup", "--tree", "0"])
     out = capsys.readouterr()
     assert code == 0, out.err
     rec = json.loads(out.out)

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from ..errors import FlashdraftError
+from ..tree import DEFAULT_TREE
 
 ENGINES = ("torch",)
 
@@ -32,6 +33,9 @@ def add_serve(sub) -> None:
     p.add_argument("--loop-gate", type=float, default=-0.75, help="DLoop confidence gate (default -0.75)")
     p.add_argument("--no-lookup", action="store_true",
                    help="draft every cycle with the drafter (default: prompt lookup where the text's last n-gram recurs)")
+    p.add_argument("--tree", type=int,
+                   help=f"draft-tree nodes per drafter cycle for greedy requests (default {DEFAULT_TREE}, 0 with DLoop; "
+                        "0 = the chain)")
     p.add_argument("--max-queue", type=int, default=8,
                    help="requests that may wait while one is decoded; more get 429 (default 8)")
     p.add_argument("--request-timeout", type=float, default=300.0,
@@ -94,6 +98,7 @@ def cmd_serve(args) -> int:
                               "pip install 'flashdraft[serve]'") from None
     import torch
 
+    from ..tree import resolve_tree
     from ..dloop import check_loop
     from ..models import DEFAULT_TARGET, load_drafter_or_plain, load_target
     from .engine import Engine
@@ -101,10 +106,11 @@ def cmd_serve(args) -> int:
     from .scheduler import Limits, Scheduler
 
     check_loop(args.loop_stages, args.loop_gate)
+    tree = resolve_tree(args.tree, args.loop_stages)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     target = load_target(args.target, dtype=args.dtype, device=device)
     drafter = load_drafter_or_plain(target, args.drafter, args.block_size)
-    engine = Engine(target, drafter, args.block_size, args.loop_stages, args.loop_gate, not args.no_lookup)
+    engine = Engine(target, drafter, args.block_size, args.loop_stages, args.loop_gate, not args.no_lookup, tree)
     limits = Limits(args.max_queue, args.request_timeout, args.max_body_bytes, args.shutdown_timeout)
     scheduler = Scheduler(engine, limits)
     model_id = args.served_model_name or served_name(args.target, DEFAULT_TARGET)

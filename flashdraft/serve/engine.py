@@ -12,6 +12,7 @@ from typing import Callable, Iterator
 import torch
 
 from ..decode import Cycle, Timing, decode, drafter_setup
+from ..tree import resolve_tree
 from ..models import Target
 from ..sampling import SamplingParams
 
@@ -130,25 +131,26 @@ class TextTracker:
 
 
 class Engine:
-    """A loaded target + drafter and the settings every request shares (block size, DLoop, prompt lookup)."""
+    """A loaded target + drafter and the settings every request shares (block size, DLoop, prompt lookup, tree)."""
 
     def __init__(self, target: Target, drafter: torch.nn.Module | None, block_size: int | None = None,
-                 loop_stages: int = 1, loop_gate: float = -0.75, lookup: bool = True):
+                 loop_stages: int = 1, loop_gate: float = -0.75, lookup: bool = True, tree: int | None = None):
         self.target, self.drafter = target, drafter
         default = drafter.config.block_size if drafter is not None else 1
         self.block_size = block_size if block_size is not None else default
         self.loop_stages, self.loop_gate, self.lookup = loop_stages, loop_gate, lookup
+        self.tree = resolve_tree(tree, loop_stages)  # None: generate_ids' default, so outputs and cycles match
         self.stop_ids = target.stop_token_ids()
 
     def cycles(self, req: GenRequest, timing: Timing) -> Iterator[Cycle]:
         """The decode cycles for req, set up exactly as flashdraft.generate_ids does (so outputs are identical)."""
         model, drafter = self.target.model, self.drafter
         params = SamplingParams(req.temperature, req.top_k, req.top_p)
-        layer_ids, propose = drafter_setup(model, drafter, self.block_size, params, req.seed, self.loop_stages,
-                                           self.loop_gate)
+        layer_ids, propose, propose_tree = drafter_setup(model, drafter, self.block_size, params, req.seed,
+                                                         self.loop_stages, self.loop_gate, self.tree)
         return decode(model, req.prompt_ids, block_size=self.block_size, max_new_tokens=req.max_tokens,
                       params=params, layer_ids=layer_ids, propose=propose, seed=req.seed,
-                      stop_token_ids=self.stop_ids, timing=timing, lookup=self.lookup)
+                      stop_token_ids=self.stop_ids, timing=timing, lookup=self.lookup, propose_tree=propose_tree)
 
     def run(self, job: Job) -> None:
         """Worker thread: generate job.request, emitting text deltas per accepted block, then one final event."""
