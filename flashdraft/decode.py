@@ -14,10 +14,10 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from . import target as T
+from .dflash2 import selector_children, top_children
 from .drafter import ContextCache, draft_hidden, proposal_logits
 from .errors import FlashdraftError
 from .lookup import LOOKUP_BLOCK, lookup_drafts, one_hot_q
-from .dflash2 import selector_children, top_children
 from .sampling import SamplingParams, accept_greedy, accept_sampling, process, sample
 from .tree import TREE_WIDTH, accept_tree_greedy, best_first_tree, node_depths, resolve_tree
 
@@ -158,7 +158,8 @@ def drafter_proposer(model: PreTrainedModel, drafter: torch.nn.Module, params: S
     return propose
 
 
-def tree_proposer(model: PreTrainedModel, drafter: torch.nn.Module, budget: int, width: int = TREE_WIDTH) -> TreeProposer:
+def tree_proposer(model: PreTrainedModel, drafter: torch.nn.Module, budget: int,
+                  width: int = TREE_WIDTH) -> TreeProposer:
     """One drafter pass, then the `budget` likeliest nodes of its continuations (tree.py), at most b-1 deep."""
     embed, head, mask_id = T.embed(model), T.lm_head(model), drafter.config.mask_token_id
     selector = getattr(drafter, "candidate_selector", None)
@@ -167,7 +168,8 @@ def tree_proposer(model: PreTrainedModel, drafter: torch.nn.Module, budget: int,
     def propose(state: DecodeState, start: int, b: int):
         anchor = state.tokens[-1]
         block = torch.tensor([anchor] + [mask_id] * (b - 1), device=model.device)
-        hidden = draft_hidden(drafter, state.draft_cache, state.take_pending()[None], embed(block)[None].to(dtype), start)
+        feats = state.take_pending()[None]
+        hidden = draft_hidden(drafter, state.draft_cache, feats, embed(block)[None].to(dtype), start)
         logits = proposal_logits(drafter, hidden, head, b - 1)
         children = (selector_children(selector, hidden[-(b - 1):], logits, width) if selector is not None
                     else top_children(logits, width))
@@ -288,7 +290,10 @@ def decode(model: PreTrainedModel, prompt_ids: list[int], *, block_size: int, ma
         timing.verify_s += t3 - t2
         if state_hook:
             state_hook(state)
-        stages = -(-len(drafts) // (b - 1)) if b > 1 and not look and path is None else int(path is not None)
+        if path is not None:
+            stages = 1  # one drafter pass behind a tree
+        else:  # DLoop stages each add b-1 drafts; none behind a lookup draft or a one-token block
+            stages = -(-len(drafts) // (b - 1)) if b > 1 and not look else 0
         yield Cycle(block.tolist(), n_acc, new, stages, bool(look), parents)
 
 
@@ -356,5 +361,5 @@ def generate_ids(model: PreTrainedModel, drafter: torch.nn.Module | None, prompt
     timing.tokens_per_s = len(output) / timing.total_s if timing.total_s > 0 else 0.0
     config = {"block_size": block_size, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
               "loop_stages": loop_stages, "loop_gate": loop_gate, "lookup": lookup and block_size > 1,
-              "tree": tree if layer_ids and params.greedy else 0}
+              "tree": tree if propose_tree and params.greedy and T.supports_tree(T.new_cache(model)) else 0}
     return GenerationResult(output, len(prompt_ids), cycles, timing, config)
