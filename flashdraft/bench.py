@@ -83,7 +83,7 @@ def _flashdraft(target, ids: list[int], s: Settings, drafter, block_size: int) -
     r = generate_ids(target.model, drafter, ids, block_size=block_size, max_new_tokens=s.max_new_tokens,
                      temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
                      stop_token_ids=s.stop_token_ids, loop_stages=s.loop_stages, loop_gate=s.loop_gate,
-                     lookup=s.lookup, tree=s.tree if drafter is not None else 0)
+                     lookup=s.lookup, tree=s.tree)
     t = r.timing
     stages = [c.stages for c in r.cycles] if drafter is not None else []
     return Sample(r.output_ids, t.prefill_s, t.total_s, 1, r.acceptance_lengths, t.draft_s, t.verify_s, t.other_s,

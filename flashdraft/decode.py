@@ -123,17 +123,29 @@ StageDrafter = Callable[[ContextCache, torch.Tensor, list[int], int, int],
 TreeProposer = Callable[[DecodeState, int, int], tuple[torch.Tensor, list[int]]]
 
 
+def drafter_pass(model: PreTrainedModel, drafter: torch.nn.Module) -> Callable[
+        [ContextCache, torch.Tensor, list[int], int, int], tuple[torch.Tensor, torch.Tensor]]:
+    """pass(cache, new_features, inputs, start, n): one drafter pass over [inputs..., M x n] at positions start..
+    → (final hidden states [len(inputs) + n, H], proposal logits [n, V] of the last n block positions)."""
+    embed, head, mask_id = T.embed(model), T.lm_head(model), drafter.config.mask_token_id
+    dtype = next(drafter.parameters()).dtype
+
+    def run(cache: ContextCache, new_features: torch.Tensor, inputs: list[int], start: int, n: int):
+        block = torch.tensor(inputs + [mask_id] * n, device=model.device)
+        hidden = draft_hidden(drafter, cache, new_features, embed(block)[None].to(dtype), start)
+        return hidden, proposal_logits(drafter, hidden, head, n)
+
+    return run
+
+
 def stage_drafter(model: PreTrainedModel, drafter: torch.nn.Module, params: SamplingParams,
                   gen: torch.Generator | None) -> StageDrafter:
     """One drafter pass over [inputs..., M x n] at positions start..: n drafts from the last n block positions."""
-    embed, head, mask_id = T.embed(model), T.lm_head(model), drafter.config.mask_token_id
+    run = drafter_pass(model, drafter)
     selector = getattr(drafter, "candidate_selector", None)
-    dtype = next(drafter.parameters()).dtype
 
     def draft(cache: ContextCache, new_features: torch.Tensor, inputs: list[int], start: int, n: int):
-        block = torch.tensor(inputs + [mask_id] * n, device=model.device)
-        hidden = draft_hidden(drafter, cache, new_features, embed(block)[None].to(dtype), start)
-        logits = proposal_logits(drafter, hidden, head, n)
+        hidden, logits = run(cache, new_features, inputs, start, n)
         if selector is not None:  # DFlash 2: walk the candidate paths from the last input; q is the selector's softmax
             drafts, q = selector.walk(hidden[-n:], logits, inputs[-1], params.temperature, gen)
         elif params.greedy:
@@ -161,16 +173,12 @@ def drafter_proposer(model: PreTrainedModel, drafter: torch.nn.Module, params: S
 def tree_proposer(model: PreTrainedModel, drafter: torch.nn.Module, budget: int,
                   width: int = TREE_WIDTH) -> TreeProposer:
     """One drafter pass, then the `budget` likeliest nodes of its continuations (tree.py), at most b-1 deep."""
-    embed, head, mask_id = T.embed(model), T.lm_head(model), drafter.config.mask_token_id
+    run = drafter_pass(model, drafter)
     selector = getattr(drafter, "candidate_selector", None)
-    dtype = next(drafter.parameters()).dtype
 
     def propose(state: DecodeState, start: int, b: int):
         anchor = state.tokens[-1]
-        block = torch.tensor([anchor] + [mask_id] * (b - 1), device=model.device)
-        feats = state.take_pending()[None]
-        hidden = draft_hidden(drafter, state.draft_cache, feats, embed(block)[None].to(dtype), start)
-        logits = proposal_logits(drafter, hidden, head, b - 1)
+        hidden, logits = run(state.draft_cache, state.take_pending()[None], [anchor], start, b - 1)
         children = (selector_children(selector, hidden[-(b - 1):], logits, width) if selector is not None
                     else top_children(logits, width))
         tokens, parents = best_first_tree(children, anchor, b - 1, budget)

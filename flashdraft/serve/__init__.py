@@ -98,9 +98,9 @@ def cmd_serve(args) -> int:
                               "pip install 'flashdraft[serve]'") from None
     import torch
 
-    from ..tree import resolve_tree
     from ..dloop import check_loop
     from ..models import DEFAULT_TARGET, load_drafter_or_plain, load_target
+    from ..tree import resolve_tree
     from .engine import Engine
     from .protocol import Served
     from .scheduler import Limits, Scheduler

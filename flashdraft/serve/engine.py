@@ -12,9 +12,9 @@ from typing import Callable, Iterator
 import torch
 
 from ..decode import Cycle, Timing, decode, drafter_setup
-from ..tree import resolve_tree
 from ..models import Target
 from ..sampling import SamplingParams
+from ..tree import resolve_tree
 
 
 @dataclass
