@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
 from .errors import FlashdraftError
 from .tree import DEFAULT_TREE, resolve_tree
+
+COMPARE_RUNS = 3  # --compare-ar pairs: one timing of a ~2 s generation on a shared machine varies by 10-20%
 
 DEFAULT_DTYPE = "float32"
 
@@ -71,7 +74,11 @@ def add_generate(sub) -> None:
     p.add_argument("--tree", type=int,
                    help="at temperature 0, verify a tree of this many drafted nodes per drafter cycle: the drafter's "
                         f"likeliest continuations, not one chain (default {DEFAULT_TREE}, 0 with DLoop; 0 = the chain)")
-    p.add_argument("--compare-ar", action="store_true", help="also decode plainly and report speedup and identity")
+    p.add_argument("--compare-ar", action="store_true",
+                   help="also decode plainly and report the speedup (median of --compare-runs interleaved pairs of "
+                        "runs after a warm-up) and whether outputs are identical")
+    p.add_argument("--compare-runs", type=int, default=COMPARE_RUNS, metavar="N",
+                   help=f"with --compare-ar: timed pairs of runs (default {COMPARE_RUNS})")
     p.add_argument("--engine", choices=["torch", "llamacpp"], default="torch",
                    help="torch (default) or llamacpp: llama.cpp's own DFlash with the drafter exported to GGUF "
                         "(needs `make llamacpp`)")
@@ -101,6 +108,8 @@ def cmd_generate(args) -> int:
     if prompt_ids is not None and not prompt_ids:
         raise FlashdraftError("the prompt is empty; give some text or --prompt-ids")
     stops = parse_ids(args.stop_token_ids, "--stop-token-ids") if args.stop_token_ids is not None else None
+    if args.compare_runs < 1:
+        raise FlashdraftError(f"--compare-runs must be >= 1, got {args.compare_runs}")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
 
     if args.engine == "torch" and args.gguf:
@@ -139,19 +148,31 @@ def cmd_generate(args) -> int:
     summary = (f"flashdraft: {result.num_new_tokens} new tokens, τ {result.tau:.2f} over {len(result.cycles)} cycles"
                f"{look_note}, "
                f"{t.tokens_per_s:.1f} tok/s (block {result.config['block_size']}{tree_note}{loop_note}, {args.dtype})")
-    if args.compare_ar:
-        ar = generate_ids(target.model, None, ids, block_size=1, **kw)
-        same = ar.output_ids == result.output_ids
-        speedup = ar.timing.total_s / t.total_s * (result.num_new_tokens / max(ar.num_new_tokens, 1))
-        record["compare_ar"] = {"identical": same, "speedup": speedup, "ar_tokens_per_s": ar.timing.tokens_per_s,
-                                "ar_output_ids": ar.output_ids}
-        note = "" if params.greedy else " (sampling: different random streams, identity not expected)"
-        summary += (f"\nflashdraft: autoregressive {ar.timing.tokens_per_s:.1f} tok/s → speedup {speedup:.2f}x; "
-                    f"outputs identical: {'yes' if same else 'NO'}{note}")
+    if args.compare_ar:  # interleaved pairs (the streamed run is the first), so drift hits both sides alike
+        specs, ars = [result], [generate_ids(target.model, None, ids, block_size=1, **kw)]
+        for _ in range(args.compare_runs - 1):
+            specs.append(generate_ids(target.model, drafter, ids, block_size=block_size, **kw, **loop))
+            ars.append(generate_ids(target.model, None, ids, block_size=1, **kw))
+        speedups = [s.timing.tokens_per_s / a.timing.tokens_per_s for s, a in zip(specs, ars)]
+        ar_tok_s = statistics.median(a.timing.tokens_per_s for a in ars)
+        summary += compare_line("autoregressive", ar_tok_s, speedups, ars[0].output_ids == result.output_ids, params)
+        record["compare_ar"] = {"identical": ars[0].output_ids == result.output_ids,
+                                "speedup": statistics.median(speedups), "speedups": speedups,
+                                "ar_tokens_per_s": ar_tok_s, "ar_output_ids": ars[0].output_ids}
     if args.json:
         print(json.dumps(record))
     print(summary, file=sys.stderr)
     return 0
+
+
+def compare_line(plain: str, plain_tok_s: float, speedups: list[float], same: bool, params,
+                 runs: str = "interleaved runs") -> str:
+    """The summary's second line: plain speed, the median speedup (and its range over several runs), identity."""
+    spread = (f" (median of {len(speedups)} {runs}, {min(speedups):.2f}–{max(speedups):.2f}x)"
+              if len(speedups) > 1 else "")
+    note = "" if params.greedy else " (sampling: different random streams, identity not expected)"
+    return (f"\nflashdraft: {plain} {plain_tok_s:.1f} tok/s → speedup {statistics.median(speedups):.2f}x{spread}; "
+            f"outputs identical: {'yes' if same else 'NO'}{note}")
 
 
 def generate_llamacpp(args, target, ids: list[int], params) -> int:
@@ -179,15 +200,16 @@ def generate_llamacpp(args, target, ids: list[int], params) -> int:
     drafter_gguf = cached_export("drafter", Path(src), "f32", args.target) if block > 1 else None
     kw = dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=args.seed)
 
-    def run(draft):
+    def run(draft, n: int = 1) -> list:
         with LlamaServer(gguf.path, draft, block if draft else None) as server:
             server.complete(ids, 4, **kw)  # warm-up, as torch's --compare-ar does
-            return server.complete(ids, args.max_new_tokens, **kw)
+            return [server.complete(ids, args.max_new_tokens, **kw) for _ in range(n)]
 
     def tokens_per_s(c) -> float:  # decode tok/s as bench counts it: tokens after the first / generation time
         return max(len(c.tokens) - 1, 0) / (c.predicted_ms / 1000) if c.predicted_ms > 0 else 0.0
 
-    c = run(drafter_gguf)
+    runs = run(drafter_gguf, args.compare_runs if args.compare_ar else 1)  # one server per engine: not interleaved
+    c = runs[0]
     text = target.decode(c.tokens)
     tok_s = tokens_per_s(c)
     tau = sum(c.acceptance_lengths) / len(c.acceptance_lengths) if c.acceptance_lengths else 1.0
@@ -199,15 +221,14 @@ def generate_llamacpp(args, target, ids: list[int], params) -> int:
     summary = (f"flashdraft: {len(c.tokens)} new tokens, τ {tau:.2f} over {len(c.acceptance_lengths)} cycles, "
                f"{tok_s:.1f} tok/s (llama.cpp, {gguf.label}, block {block})")
     if args.compare_ar:
-        plain = run(None)
-        same = plain.tokens == c.tokens
-        plain_tok_s = tokens_per_s(plain)
-        speedup = tok_s / plain_tok_s if plain_tok_s > 0 else float("nan")
-        record["compare_ar"] = {"identical": same, "speedup": speedup, "ar_tokens_per_s": plain_tok_s,
-                                "ar_output_ids": plain.tokens}
-        note = "" if params.greedy else " (sampling: different random streams, identity not expected)"
-        summary += (f"\nflashdraft: llama.cpp plain {plain_tok_s:.1f} tok/s → speedup {speedup:.2f}x; "
-                    f"outputs identical: {'yes' if same else 'NO'}{note}")
+        plains = run(None, args.compare_runs)
+        same = plains[0].tokens == c.tokens
+        plain_tok_s = [tokens_per_s(p) for p in plains]
+        speedups = [tokens_per_s(r) / p if p > 0 else float("nan") for r, p in zip(runs, plain_tok_s)]
+        record["compare_ar"] = {"identical": same, "speedup": statistics.median(speedups), "speedups": speedups,
+                                "ar_tokens_per_s": statistics.median(plain_tok_s), "ar_output_ids": plains[0].tokens}
+        summary += compare_line("llama.cpp plain", statistics.median(plain_tok_s), speedups, same, params,
+                                "runs of each")
     print(json.dumps(record) if args.json else text)
     print(summary, file=sys.stderr)
     return 0

@@ -70,6 +70,21 @@ def test_streams_text_and_compare_ar(dirs, capsys):
     ids = [2, 5, 6, 7, 3, 4]  # the tiny chat template: t2 {content} t3 t4
     assert out.split() == [f"t{i}" for i in hf_greedy(model, ids, 20)]
     assert "outputs identical: yes" in err and "speedup" in err
+    assert "median of 3 interleaved runs" in err  # the default: 3 timed pairs, not one noisy timing
+
+
+def test_compare_ar_record_holds_every_pair(dirs, capsys):
+    model, root = dirs
+    base = ["generate", "--prompt-ids", "5,6,7", "--target", str(root / "target"), "--drafter", str(root / "drafter")]
+    code, out, err = run(capsys, *base, "--max-new-tokens", "12", "--json", "--compare-ar", "--compare-runs", "2")
+    assert code == 0, err
+    cmp = json.loads(out)["compare_ar"]
+    assert cmp["identical"] and cmp["ar_output_ids"] == hf_greedy(model, [5, 6, 7], 12)
+    assert len(cmp["speedups"]) == 2 and all(s > 0 for s in cmp["speedups"])
+    assert min(cmp["speedups"]) <= cmp["speedup"] <= max(cmp["speedups"])
+    assert "median of 2 interleaved runs" in err
+    code, out, err = run(capsys, *base, "--max-new-tokens", "4", "--compare-ar", "--compare-runs", "1")
+    assert code == 0 and "speedup" in err and "median" not in err
 
 
 def test_no_drafter_notice_and_no_chat(dirs, capsys):
@@ -96,6 +111,7 @@ def test_no_drafter_notice_and_no_chat(dirs, capsys):
     (["--prompt-ids", "1", "--drafter", "DIR/target"], "not a DFlash drafter"),
     ([], "give a prompt"),
     (["", "--no-chat"], "prompt is empty"),
+    (["--prompt-ids", "1", "--compare-ar", "--compare-runs", "0"], "--compare-runs must be >= 1"),
 ])
 def test_bad_input_exits_2_with_one_line(dirs, capsys, extra, match):
     _, root = dirs
