@@ -11,47 +11,58 @@ verify_ms counts the whole rest of a cycle (target pass, acceptance, rollback), 
 
 from __future__ import annotations
 
+import statistics
+
 from . import target as T
 from .decode import generate_ids
 from .errors import FlashdraftError
 
 
-def check_profile_args(model, block_sizes: list[int], prompt_ids: list[int], tokens: int) -> None:
+def check_profile_args(model, block_sizes: list[int], prompt_ids: list[int], tokens: int,
+                       repeats: int = 1) -> None:
     """One-line errors for block sizes and lengths the measurement cannot take."""
     if not block_sizes or min(block_sizes) < 2:
         raise FlashdraftError(f"profile block sizes must be >= 2 (block size 1 is the plain step), got {block_sizes}")
     if tokens < 2:
         raise FlashdraftError(f"the profile must generate at least 2 tokens per run, got {tokens}")
+    if repeats < 1:
+        raise FlashdraftError(f"the profile needs at least 1 round of runs, got {repeats}")
     limit = T.context_limit(model)
     if not prompt_ids or len(prompt_ids) + tokens > limit:
         raise FlashdraftError(f"a prompt of {len(prompt_ids)} tokens + {tokens} generated must fit the target's "
                               f"context of {limit}; use a shorter prompt or fewer tokens")
 
 
-def measure_torch(model, drafter, block_sizes: list[int], prompt_ids: list[int], tokens: int = 128) -> dict:
+def measure_torch(model, drafter, block_sizes: list[int], prompt_ids: list[int], tokens: int = 128,
+                  repeats: int = 3) -> dict:
     """Per-cycle costs in ms inside flashdraft's own loop (greedy, stop tokens ignored, after a warm-up).
 
     plain_ms: decode time per token at block size 1. For each B, a DFlash run gives draft_ms (the proposer's time
     per cycle, as decode counts it) and verify_ms (the rest of a cycle: the B-token target pass, acceptance and
     cache rollback), so draft_ms + verify_ms is what one cycle costs and break-even τ needs no other term.
+    Each is the median of `repeats` rounds that each run plain decoding and every B once.
     """
     block_sizes = sorted(set(block_sizes))
-    check_profile_args(model, block_sizes, prompt_ids, tokens)
+    check_profile_args(model, block_sizes, prompt_ids, tokens, repeats)
 
-    def run(d, b: int, n: int):
-        return generate_ids(model, d, prompt_ids, block_size=b, max_new_tokens=n, stop_token_ids=())
+    def run(d, b: int, n: int):  # chains, no lookup: every cycle verifies exactly b positions (fewer only at the end)
+        return generate_ids(model, d, prompt_ids, block_size=b, max_new_tokens=n, stop_token_ids=(), lookup=False,
+                            tree=0)
 
     def per_cycle(r) -> tuple[float, float]:
         t, n = r.timing, len(r.cycles)
         return 1e3 * t.draft_s / n, 1e3 * (t.total_s - t.prefill_s - t.draft_s) / n
 
     run(drafter, max(block_sizes) if drafter is not None else 1, 8)  # warm-up: first-call costs stay out
-    plain_ms = sum(per_cycle(run(None, 1, tokens)))  # the whole step
-    draft_ms: dict[int, float] = {}
-    verify_ms: dict[int, float] = {}
-    for b in block_sizes if drafter is not None else []:
-        draft_ms[b], verify_ms[b] = per_cycle(run(drafter, b, tokens))
-    return {"engine": "torch", "plain_ms": plain_ms, "verify_ms": verify_ms, "draft_ms": draft_ms,
+    plain: list[float] = []
+    costs: dict[int, list[tuple[float, float]]] = {b: [] for b in block_sizes if drafter is not None}
+    for _ in range(repeats):  # rounds, not one block size after another: drift on a shared machine hits all alike
+        plain.append(sum(per_cycle(run(None, 1, tokens))))  # the whole step
+        for b in costs:
+            costs[b].append(per_cycle(run(drafter, b, tokens)))
+    return {"engine": "torch", "plain_ms": statistics.median(plain),
+            "verify_ms": {b: statistics.median(v for _, v in c) for b, c in costs.items()},
+            "draft_ms": {b: statistics.median(d for d, _ in c) for b, c in costs.items()},
             "context_len": len(prompt_ids) + tokens // 2}
 
 

@@ -239,8 +239,9 @@ def profile_markdown(p: dict) -> str:
              "decoding on this engine. best B: the block size with the highest predicted speedup, from this run's "
              "acceptance lengths at its largest block, truncated to smaller blocks (an approximation). Each engine is "
              f"timed inside its own decoding loop on the run's first prompt, {p.get('tokens', '?')} tokens per block "
-             "size with stop tokens ignored; verify(B) is the rest of a cycle after drafting (target pass, "
-             "acceptance, rollback; on llama.cpp also the drafter's context update)."]
+             "size with stop tokens ignored (torch: drafter chains without prompt lookup or trees, so a cycle "
+             "verifies B positions; the median of 3 interleaved rounds); verify(B) is the rest of a cycle after "
+             "drafting (target pass, acceptance, rollback; on llama.cpp also the drafter's context update)."]
     for r in rows:
         if r.get("best_block") is not None:
             b = int(r["best_block"])

@@ -55,7 +55,7 @@ def test_measure_torch_splits_each_cycle_into_draft_and_the_rest(tiny_llama, dra
         return r
 
     monkeypatch.setattr(P, "generate_ids", recorded)
-    p = P.measure_torch(tiny_llama, drafter, [2, 8], PROMPT, tokens=20)
+    p = P.measure_torch(tiny_llama, drafter, [2, 8], PROMPT, tokens=20, repeats=1)
     assert [(b, n, s) for b, n, s, _ in runs] == [(8, 8, ()), (1, 20, ()), (2, 20, ()), (8, 20, ())]
     plain, *spec = [r for *_, r in runs[1:]]
     assert plain.num_new_tokens == 20 and len(plain.cycles) == 19
@@ -64,6 +64,33 @@ def test_measure_torch_splits_each_cycle_into_draft_and_the_rest(tiny_llama, dra
         t, n = r.timing, len(r.cycles)
         assert r.num_new_tokens == 20 and p["draft_ms"][b] == pytest.approx(1e3 * t.draft_s / n)
         assert p["draft_ms"][b] + p["verify_ms"][b] == pytest.approx(1e3 * (t.total_s - t.prefill_s) / n)
+        # verify(B) is a pass over B positions: drafter chains only, no lookup drafts (max(B, 8) long) and no trees
+        blocks = [c.block for c in r.cycles[1:]]
+        assert not any(c.lookup or c.parents for c in r.cycles) and max(map(len, blocks)) == b
+        assert all(len(x) == b for x in blocks[: -b])  # only the last cycles shrink to the tokens still owed
+
+
+def test_measure_torch_takes_the_median_of_interleaved_rounds(tiny_llama, drafter, monkeypatch):
+    import flashdraft.profile as P
+
+    runs = []
+
+    def recorded(*args, **kw):
+        runs.append((kw["block_size"], generate_ids(*args, **kw)))
+        return runs[-1][1]
+
+    monkeypatch.setattr(P, "generate_ids", recorded)
+    p = P.measure_torch(tiny_llama, drafter, [2, 8], PROMPT, tokens=16, repeats=3)
+    assert [b for b, _ in runs] == [8] + [1, 2, 8] * 3  # a warm-up, then rounds of plain and every block size
+
+    def cycle_ms(r):
+        return 1e3 * r.timing.draft_s / len(r.cycles), 1e3 * (r.timing.total_s - r.timing.prefill_s) / len(r.cycles)
+
+    rounds = [dict((b, cycle_ms(r)) for b, r in runs[1 + 3 * i: 4 + 3 * i]) for i in range(3)]
+    assert p["plain_ms"] == pytest.approx(sorted(r[1][1] for r in rounds)[1])
+    for b in (2, 8):
+        assert p["draft_ms"][b] == pytest.approx(sorted(r[b][0] for r in rounds)[1])
+        assert p["verify_ms"][b] == pytest.approx(sorted(r[b][1] - r[b][0] for r in rounds)[1])
 
 
 def test_measure_torch_without_drafter_has_no_draft_cost(tiny_llama):
@@ -88,6 +115,11 @@ def test_measure_torch_drafter_variants(tiny_llama, drafter, kind):
 def test_measure_torch_bad_inputs(tiny_llama, blocks, prompt, tokens, match):
     with pytest.raises(FlashdraftError, match=match):
         measure_torch(tiny_llama, None, blocks, prompt, tokens)  # tiny target: 512 positions
+
+
+def test_measure_torch_needs_a_round(tiny_llama):
+    with pytest.raises(FlashdraftError, match="at least 1 round"):
+        measure_torch(tiny_llama, None, [2], PROMPT, 8, repeats=0)
 
 
 def test_break_even_by_hand():
