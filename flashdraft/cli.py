@@ -155,8 +155,9 @@ def cmd_generate(args) -> int:
             ars.append(generate_ids(target.model, None, ids, block_size=1, **kw))
         speedups = [s.timing.tokens_per_s / a.timing.tokens_per_s for s, a in zip(specs, ars)]
         ar_tok_s = statistics.median(a.timing.tokens_per_s for a in ars)
-        summary += compare_line("autoregressive", ar_tok_s, speedups, ars[0].output_ids == result.output_ids, params)
-        record["compare_ar"] = {"identical": ars[0].output_ids == result.output_ids,
+        same = ars[0].output_ids == result.output_ids
+        summary += compare_line("autoregressive", ar_tok_s, speedups, same, params)
+        record["compare_ar"] = {"identical": same,
                                 "speedup": statistics.median(speedups), "speedups": speedups,
                                 "ar_tokens_per_s": ar_tok_s, "ar_output_ids": ars[0].output_ids}
     if args.json:

@@ -187,6 +187,11 @@ def tree_proposer(model: PreTrainedModel, drafter: torch.nn.Module, budget: int,
     return propose
 
 
+def trees_apply(params: SamplingParams, cache: DynamicCache) -> bool:
+    """Whether decode verifies drafter trees: greedy only, on a cache whose verified rows can be compacted."""
+    return params.greedy and T.supports_tree(cache)
+
+
 def _now(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -235,7 +240,7 @@ def decode(model: PreTrainedModel, prompt_ids: list[int], *, block_size: int, ma
 
     t0 = _now(dev)
     state = DecodeState(list(prompt_ids), len(prompt_ids), T.new_cache(model), len(prompt_ids) + room)
-    if not (params.greedy and T.supports_tree(state.target_cache)):
+    if not trees_apply(params, state.target_cache):
         propose_tree = None
     out = T.forward(model, torch.tensor(prompt_ids, device=dev), 0, state.target_cache, layer_ids, logits_to_keep=1)
     first = pick(out.logits[-1])
@@ -369,5 +374,5 @@ def generate_ids(model: PreTrainedModel, drafter: torch.nn.Module | None, prompt
     timing.tokens_per_s = len(output) / timing.total_s if timing.total_s > 0 else 0.0
     config = {"block_size": block_size, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
               "loop_stages": loop_stages, "loop_gate": loop_gate, "lookup": lookup and block_size > 1,
-              "tree": tree if propose_tree and params.greedy and T.supports_tree(T.new_cache(model)) else 0}
+              "tree": tree if propose_tree and trees_apply(params, T.new_cache(model)) else 0}
     return GenerationResult(output, len(prompt_ids), cycles, timing, config)
