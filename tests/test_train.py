@@ -460,14 +460,16 @@ def test_train_dflash2_from_dflash1_starts_equal(data_dir, tiny_dir, tmp_path):
                                        arch="dflash"), target)
 
 
-def test_init_from_keeps_the_first_layers(data_dir, tiny_dir, tmp_path):
+def test_init_from_keeps_the_first_layers_or_grows(data_dir, tiny_dir, tmp_path):
     """--num-layers N with --init-from keeps the warm start's first N layers (its trained fc, norms and context path),
-    so a cheaper drafter can be compared at equal compute; asking for more layers than it has is a one-line error."""
+    or grows it to N with appended layers whose residual branches start at exactly zero: the grown drafter drafts
+    exactly as the warm start did (so depths compare at equal compute), then trains its new layer."""
     from flashdraft.checkpoint import save_drafter
     from flashdraft.train.trainer import build_or_load_drafter
 
     target = load_target(str(tiny_dir))
-    d2 = random_drafter(target.model, num_layers=2, block_size=4, mask_id=MASK_ID)
+    d2 = random_drafter(target.model, num_layers=2, block_size=4, mask_id=MASK_ID, arch="dflash2", selector_rank=8,
+                        selector_top_k=4)
     save_drafter(d2, tmp_path / "d2")
     one = build_or_load_drafter(tiny_cfg(data_dir, tmp_path / "o", init_from=str(tmp_path / "d2"), num_layers=1), target)
     assert len(one.layers) == one.config.num_hidden_layers == len(one.config.layer_types) == 1
@@ -480,8 +482,23 @@ def test_init_from_keeps_the_first_layers(data_dir, tiny_dir, tmp_path):
     res = train(tiny_cfg(data_dir, tmp_path / "o", init_from=str(tmp_path / "d2"), num_layers=1, steps=3, dev_every=0),
                 target=target, log=lambda *a, **k: None)
     assert res["final_step"] == 3 and load_drafter(tmp_path / "o" / "step_0000003").config.num_hidden_layers == 1
-    with pytest.raises(FlashdraftError, match="has only 2 layer"):
-        build_or_load_drafter(tiny_cfg(data_dir, tmp_path / "x", init_from=str(tmp_path / "d2"), num_layers=3), target)
+
+    three = build_or_load_drafter(tiny_cfg(data_dir, tmp_path / "g", init_from=str(tmp_path / "d2"), num_layers=3),
+                                  target).eval()
+    assert len(three.layers) == three.config.num_hidden_layers == len(three.config.layer_types) == 3
+    assert three.layers[2].mlp.up_proj.weight.abs().sum() > 0  # a copy of layer 1, not an empty layer
+    torch.manual_seed(0)
+    feats = torch.randn(1, 6, len(d2.config.target_layer_ids) * d2.config.target_hidden_size)
+    emb = torch.randn(1, 4, d2.config.hidden_size)
+    ctx_pos, blk_pos = torch.arange(6)[None], torch.arange(6, 10)[None]
+    with torch.no_grad():
+        want = d2(emb, blk_pos, d2.context_kv(feats, ctx_pos))
+        have = three(emb, blk_pos, three.context_kv(feats, ctx_pos))
+    assert torch.equal(want, have)
+    res = train(tiny_cfg(data_dir, tmp_path / "g", init_from=str(tmp_path / "d2"), num_layers=3, steps=3, dev_every=0),
+                target=target, log=lambda *a, **k: None)
+    grown = load_drafter(tmp_path / "g" / "step_0000003")
+    assert grown.config.num_hidden_layers == 3 and grown.layers[2].self_attn.o_proj.weight.abs().sum() > 0
 
 
 def test_loop_aware_training(data_dir, tiny_dir, tmp_path):

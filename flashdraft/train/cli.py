@@ -134,7 +134,8 @@ def add_train(sub) -> None:
     p.add_argument("--target", help="registered name, local HF model dir or hub id (default: smollm2-135m-instruct)")
     p.add_argument("--init-from", help="start from this drafter directory instead of random weights")
     p.add_argument("--num-layers", type=int, default=None,
-                   help="drafter layers: a new drafter's (default 2), or with --init-from keep its first N (default all)")
+                   help="drafter layers: a new drafter's (default 2); with --init-from keep its first N, or grow it to N with "
+                        "appended layers that start as the identity (default: as it is)")
     p.add_argument("--block-size", type=int, default=None, help="block size B (default 16, or --init-from's)")
     p.add_argument("--mask-token-id", type=int, help="mask token id (default: spare embedding row, else the "
                    "highest-id unused special token, e.g. <empty_output>=16 for SmolLM2)")

@@ -59,7 +59,7 @@ class TrainConfig:
     out: str
     target: str | None = None
     init_from: str | None = None
-    num_layers: int | None = None  # new drafters: 2; with init_from: keep its first N layers (None: all)
+    num_layers: int | None = None  # new drafters: 2; with init_from: keep its first N or grow to N (None: all)
     block_size: int | None = None  # None: 16, or the --init-from drafter's
     mask_token_id: int | None = None
     steps: int = 1000
@@ -324,7 +324,7 @@ def build_or_load_drafter(cfg: TrainConfig, target) -> nn.Module:
         if cfg.arch == "dflash2" and drafter.config.arch == "dflash":
             drafter = upgrade_to_dflash2(drafter, **d2)
         if cfg.num_layers is not None:
-            keep_first_layers(drafter, cfg.num_layers, cfg.init_from)
+            set_num_layers(drafter, cfg.num_layers)
         dc = drafter.config
         if cfg.block_size is not None:
             dc.block_size = cfg.block_size
@@ -349,15 +349,29 @@ def build_or_load_drafter(cfg: TrainConfig, target) -> nn.Module:
     return drafter
 
 
-def keep_first_layers(drafter: nn.Module, n: int, where: str) -> None:
-    """Truncate a warm-start drafter to its first n layers (a cheaper drafter that keeps the trained context path)."""
-    have = len(drafter.layers)
-    if n > have:
-        raise FlashdraftError(f"--num-layers {n}: --init-from {where} has only {have} layer(s); pass at most {have} "
-                              "or train a new drafter without --init-from")
-    drafter.layers = drafter.layers[:n]
-    drafter.config.num_hidden_layers = n
-    drafter.config.layer_types = list(drafter.config.layer_types[:n])
+def set_num_layers(drafter: nn.Module, n: int) -> None:
+    """Keep the warm start's first n layers, or append layers that start as the identity (so drafts are unchanged).
+
+    An appended layer copies the last one with its output projections (attention o_proj, MLP down_proj) zeroed: its
+    residual branches add exactly 0 until training moves them, the zero-init residual trick of depth growth.
+    """
+    import copy
+
+    cfg, have = drafter.config, len(drafter.layers)
+    if n <= have:
+        drafter.layers = drafter.layers[:n]
+        cfg.layer_types = list(cfg.layer_types[:n])
+    else:
+        for _ in range(n - have):
+            layer = copy.deepcopy(drafter.layers[have - 1])
+            with torch.no_grad():
+                for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                    proj.weight.zero_()
+                    if proj.bias is not None:
+                        proj.bias.zero_()
+            drafter.layers.append(layer)
+        cfg.layer_types = list(cfg.layer_types) + [cfg.layer_types[have - 1]] * (n - have)
+    cfg.num_hidden_layers = n
 
 
 def init_from_target(drafter: nn.Module, model, copy_layers: bool) -> list[str]:
