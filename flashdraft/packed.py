@@ -22,9 +22,19 @@ BATCH_HINT = 8
 
 
 def supported(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """oneDNN packing applies on CPU to float32/bfloat16 weights, unless FLASHDRAFT_PACKED=0 turns it off."""
-    return (os.environ.get("FLASHDRAFT_PACKED", "1") != "0" and torch.device(device).type == "cpu"
-            and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available())
+    """oneDNN packing applies on CPU to float32 weights, and to bfloat16 ones where the CPU has oneDNN's bf16 path
+    (AVX-512 BW/VL/DQ or AVX-NE-CONVERT); FLASHDRAFT_PACKED=0 turns it off."""
+    if os.environ.get("FLASHDRAFT_PACKED", "1") == "0" or torch.device(device).type != "cpu":
+        return False
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and _cpu_has_onednn_bf16())
+
+
+@functools.cache
+def _cpu_has_onednn_bf16() -> bool:
+    """Whether oneDNN can reorder bf16 weights here; without it, packing raises on e.g. an AVX2-only AMD EPYC."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
