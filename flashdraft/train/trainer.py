@@ -13,6 +13,7 @@ newest. OUT/metrics.jsonl gets one JSON line per log / eval.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import json
 import math
@@ -355,8 +356,6 @@ def set_num_layers(drafter: nn.Module, n: int) -> None:
     An appended layer copies the last one with its output projections (attention o_proj, MLP down_proj) zeroed: its
     residual branches add exactly 0 until training moves them, the zero-init residual trick of depth growth.
     """
-    import copy
-
     cfg, have = drafter.config, len(drafter.layers)
     if n <= have:
         drafter.layers = drafter.layers[:n]
