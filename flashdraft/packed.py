@@ -24,9 +24,8 @@ BATCH_HINT = 8
 def supported(device: torch.device | str, dtype: torch.dtype) -> bool:
     """oneDNN packing applies on CPU to float32 weights, and to bfloat16 ones where the CPU has oneDNN's bf16 path
     (AVX-512 BW/VL/DQ or AVX-NE-CONVERT); FLASHDRAFT_PACKED=0 turns it off."""
-    if os.environ.get("FLASHDRAFT_PACKED", "1") == "0" or torch.device(device).type != "cpu":
-        return False
-    if not torch.backends.mkldnn.is_available():
+    if (os.environ.get("FLASHDRAFT_PACKED", "1") == "0" or torch.device(device).type != "cpu"
+            or not torch.backends.mkldnn.is_available()):
         return False
     return dtype == torch.float32 or (dtype == torch.bfloat16 and _cpu_has_onednn_bf16())
 
