@@ -19,7 +19,7 @@ from .drafter import ContextCache, draft_hidden, proposal_logits
 from .errors import FlashdraftError
 from .lookup import LOOKUP_BLOCK, lookup_drafts, one_hot_q
 from .sampling import SamplingParams, accept_greedy, accept_sampling, process, sample
-from .tree import TREE_WIDTH, accept_tree_greedy, best_first_tree, node_depths, resolve_tree
+from .tree import TREE_WIDTH, accept_tree_greedy, best_first_tree, graft_chain, node_depths, resolve_tree
 
 
 @dataclass
@@ -51,8 +51,9 @@ class Cycle:
     block: list[int]  # exactly the ids the target verified
     accepted: int  # drafts kept
     emitted: list[int]  # tokens this cycle added to the output (after stop / length truncation)
-    stages: int = 0  # drafting stages of b-1 drafts each behind this block (1: plain DFlash; 0: block size 1 or lookup)
-    lookup: bool = False  # the drafts came from prompt lookup (lookup.py), not the drafter
+    stages: int = 0  # drafting stages of b-1 drafts each behind this block (1: plain DFlash or a tree; 0: block size
+    # 1 or a lookup chain)
+    lookup: bool = False  # prompt lookup (lookup.py) drafted: the whole chain, or one path of a tree
     parents: list[int] | None = None  # a draft tree (tree.py): each draft's parent among the drafts, -1: the anchor
 
 
@@ -91,7 +92,7 @@ class GenerationResult:
 
     @property
     def lookup_cycles(self) -> int:
-        """Cycles whose drafts came from prompt lookup instead of a drafter pass."""
+        """Cycles that verified a prompt-lookup draft (alone, or as one path of the drafter's tree)."""
         return sum(c.lookup for c in self.cycles)
 
     @property
@@ -221,7 +222,8 @@ def decode(model: PreTrainedModel, prompt_ids: list[int], *, block_size: int, ma
            propose_tree: TreeProposer | None = None) -> Iterator[Cycle]:
     """Yield one Cycle per target verify; the prefill's first token comes as a Cycle with an empty block.
 
-    lookup: draft by prompt lookup (lookup.py) whenever the context's last n-gram recurs, and by `propose` otherwise.
+    lookup: where the context's last n-gram recurs, verify the tokens that followed it (prompt lookup, lookup.py): as
+    one more path of the drafter's tree where trees run, else as the whole draft instead of calling `propose`.
     propose_tree: at temperature 0, draft a tree (tree.py) instead of calling `propose` (a chain), where the target's
     cache can compact a verified path (every layer full attention); elsewhere `propose` drafts as usual.
     """
@@ -264,10 +266,12 @@ def decode(model: PreTrainedModel, prompt_ids: list[int], *, block_size: int, ma
         k = min(max(b, LOOKUP_BLOCK), state.end - start) - 1  # a lookup draft may run past a small drafter block
         look = lookup_drafts(state.tokens, k) if lookup and b > 1 else []
         parents = None  # a chain; else the drafts are a tree's nodes
-        if look:
+        if b > 1 and propose_tree is not None:  # a lookup draft joins the drafter's tree as one more root path
+            nodes, parents = propose_tree(state, start, b)
+            nodes, parents = graft_chain(nodes.tolist(), parents, look)
+            drafts, q = torch.tensor(nodes, dtype=torch.long, device=dev), None
+        elif look:
             drafts, q = torch.tensor(look, device=dev), None
-        elif b > 1 and propose_tree is not None:
-            (drafts, parents), q = propose_tree(state, start, b), None
         elif b > 1:
             drafts, q = propose(state, start, b)
         else:
@@ -337,8 +341,9 @@ def generate_ids(model: PreTrainedModel, drafter: torch.nn.Module | None, prompt
                  lookup: bool = True, tree: int | None = None) -> GenerationResult:
     """Speculative decoding of prompt_ids with drafter (None and block size 1: plain autoregressive).
 
-    lookup (on by default): where the context's last n-gram recurs, verify the tokens that followed it instead of
-    running the drafter (prompt lookup, lookup.py); lossless like any draft. Off, every cycle is drafted.
+    lookup (on by default): where the context's last n-gram recurs, verify the tokens that followed it (prompt lookup,
+    lookup.py): grafted onto the drafter's tree at temperature 0, in place of the drafter's chain elsewhere; lossless
+    like any draft. Off, every cycle is the drafter's alone.
 
     tree: at temperature 0, each drafter cycle verifies a tree of that many drafted nodes (tree.py) instead of the
     drafter's b-1 chain; 0 verifies the chain. None: DEFAULT_TREE with the drafter's own one-stage proposer, else 0.

@@ -64,6 +64,19 @@ def node_depths(parents: list[int]) -> list[int]:
     return out
 
 
+def graft_chain(tokens: list[int], parents: list[int], chain: list[int]) -> tuple[list[int], list[int]]:
+    """The tree with `chain` added as a root path, sharing the nodes it already has → (tokens, parents)."""
+    tokens, parents, at = list(tokens), list(parents), -1
+    for t in chain:
+        node = next((i for i, (u, p) in enumerate(zip(tokens, parents)) if u == t and p == at), None)
+        if node is None:
+            tokens.append(t)
+            parents.append(at)
+            node = len(tokens) - 1
+        at = node
+    return tokens, parents
+
+
 def accept_tree_greedy(tokens: list[int], parents: list[int], target_ids: list[int]) -> tuple[list[int], int]:
     """Target argmax ids [N+1] (row 0: the anchor) → (accepted node indices root→leaf, the target's next token)."""
     path, row = [], 0

@@ -42,7 +42,7 @@ def _repetitive_prompt(vocab: int, seed: int) -> list[int]:
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_lookup_decoding_equals_target(kind):
-    """Lookup drafts (and the drafter's between them) keep the target's greedy output at every block size."""
+    """Lookup drafts, grafted onto the drafter's trees or alone in chain mode, keep the target's greedy output."""
     target = tiny_target(kind)
     drafter = random_drafter(target, block_size=16)
     looked = 0
@@ -52,11 +52,19 @@ def test_lookup_decoding_equals_target(kind):
         for bs in [2, 4, 8, 16]:
             res = generate_ids(target, drafter, prompt, block_size=bs, max_new_tokens=40)
             assert_greedy_lossless(target, prompt, res.output_ids, ref)
-            # lookup cycles verify a chain of max(bs, 8) rows at most; drafter cycles the default tree (7 nodes)
-            assert res.config["lookup"] and all(len(c.block) <= max(bs, 8) if c.lookup else c.parents is not None
-                                                and len(c.block) <= 8 for c in res.cycles if len(c.block) > 1)
-            assert all(c.stages == (0 if c.lookup else 1) for c in res.cycles if len(c.block) > 1)
+            # every cycle verifies the drafter's tree (7 nodes, one pass); a lookup draft of up to max(bs, 8) - 1
+            # tokens joins it as one more path
+            drafted = [c for c in res.cycles if len(c.block) > 1]
+            assert res.config["lookup"] and all(c.parents is not None and c.stages == 1 for c in drafted)
+            assert all(len(c.block) <= 1 + 7 + (max(bs, 8) - 1 if c.lookup else 0) for c in drafted)
+            assert any(len(c.block) > 8 for c in drafted if c.lookup)
             looked += res.lookup_cycles
+            chain = generate_ids(target, drafter, prompt, block_size=bs, max_new_tokens=40, tree=0)
+            assert chain.output_ids == ref
+            # without trees a lookup draft replaces the drafter's chain: max(bs, 8) rows, no drafter pass
+            assert all(len(c.block) <= max(bs, 8) and c.stages == 0 and c.parents is None
+                       for c in chain.cycles if c.lookup)
+            looked += chain.lookup_cycles
             off = generate_ids(target, drafter, prompt, block_size=bs, max_new_tokens=40, lookup=False)
             assert off.output_ids == ref and off.lookup_cycles == 0 and not off.config["lookup"]
     assert looked > 10  # the path under test ran

@@ -12,7 +12,7 @@ from flashdraft.decode import decode, generate_ids
 from flashdraft.dflash2 import upgrade_to_dflash2
 from flashdraft.sampling import SamplingParams
 from flashdraft.target import ancestors
-from flashdraft.tree import accept_tree_greedy, best_first_tree, node_depths
+from flashdraft.tree import accept_tree_greedy, best_first_tree, graft_chain, node_depths
 from helpers import hf_greedy, random_drafter, save_tiny_model_dir, tiny_target
 from lossless import assert_greedy_lossless
 
@@ -50,6 +50,18 @@ def test_ancestors_and_acceptance():
     assert accept_tree_greedy(tokens, parents, [5, 6, 3, 0, 0, 0]) == ([0, 1], 3)
     assert accept_tree_greedy(tokens, parents, [1, 0, 0, 0, 0, 0]) == ([], 1)
     assert accept_tree_greedy(tokens, parents, [8, 0, 0, 0, 0, 0]) == ([], 8)  # 8 exists, but not under the anchor
+
+
+def test_graft_chain_shares_existing_nodes():
+    tokens, parents = [5, 6, 7, 8], [-1, 0, -1, 2]  # anchor → {5 → 6, 7 → 8}
+    assert graft_chain(tokens, parents, [7, 8, 9, 4]) == ([5, 6, 7, 8, 9, 4], [-1, 0, -1, 2, 3, 4])
+    assert graft_chain(tokens, parents, [6, 5]) == ([5, 6, 7, 8, 6, 5], [-1, 0, -1, 2, -1, 4])  # 6 is not a root
+    assert graft_chain(tokens, parents, [5, 6]) == (tokens, parents)  # already a path: nothing to verify twice
+    assert graft_chain(tokens, parents, []) == (tokens, parents)
+    assert graft_chain([], [], [3, 3]) == ([3, 3], [-1, 0])
+    t, p = graft_chain(tokens, parents, [7, 2])
+    assert accept_tree_greedy(t, p, [7, 0, 0, 2, 0, 1]) == ([2, 4], 1)  # the grafted path is accepted like any other
+    assert tokens == [5, 6, 7, 8] and parents == [-1, 0, -1, 2]  # the inputs are left as they were
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
