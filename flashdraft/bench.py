@@ -51,7 +51,7 @@ class Settings:
     lookup_tokens: int = 10
     loop_stages: int = 1  # DLoop stages per cycle (1 = plain DFlash)
     loop_gate: float = -0.75
-    lookup: bool = True  # prompt lookup drafts where the context's last n-gram recurs (torch drafter methods)
+    lookup: bool | str = True  # prompt lookup where the context's last n-gram recurs; "tree": grafted onto the tree
     tree: int = 0  # draft-tree nodes per drafter cycle at T=0 (tree.py); 0 verifies the drafter's chain
     server: object | None = None  # a llamacpp.LlamaServer (llama.cpp methods only)
 
@@ -329,7 +329,7 @@ class Gguf:
 
 def drafter_variants(target, m: str, drafters: list[str | None], block_sizes: list[int], base: Settings,
                      loops: list[tuple[int, float]], gguf: Gguf | None, threads: int | None,
-                     servers: list, lookups: list[bool] = (True,),
+                     servers: list, lookups: list[bool | str] = (True,),
                      trees: list[int | None] = (None,)) -> list[Variant]:
     """One Variant per (drafter, block size, loop setting, lookup, tree) of a drafter method; on llama.cpp per target
     file instead of per lookup and tree setting (llama.cpp drafts a chain every cycle)."""
@@ -369,8 +369,8 @@ def drafter_variants(target, m: str, drafters: list[str | None], block_sizes: li
                 if stages > 1:
                     label_parts += [f"s{stages}", f"g{gate:g}"]
                     vdesc |= {"loop_stages": stages, "loop_gate": gate}
-                if len(lookups) > 1 or not lookup:  # on is the default and goes unlabelled alone
-                    label_parts.append("lookup" if lookup else "no-lookup")
+                if len(lookups) > 1 or lookup is not True:  # on is the default and goes unlabelled alone
+                    label_parts.append({True: "lookup", False: "no-lookup", "tree": "lookup-tree"}[lookup])
                 if len(trees) > 1 or tree != resolve_tree(None, stages):  # the default goes unlabelled alone
                     label_parts.append(f"tree{tree}" if tree else "chain")
                 settings = replace(base, drafter=drafter, block_size=b, loop_stages=stages, loop_gate=gate,
@@ -389,7 +389,7 @@ def ctx_for(target) -> int:
 def build_variants(target, methods: list[str], drafters: list[str | None], block_sizes: list[int],
                    base: Settings, loop_stages: list[int] = (1,), loop_gates: list[float] = (-0.75,),
                    ggufs: list[Gguf] = (), threads: int | None = None,
-                   servers: list | None = None, lookups: list[bool] = (True,),
+                   servers: list | None = None, lookups: list[bool | str] = (True,),
                    trees: list[int | None] = (None,)) -> list[Variant]:
     """One Variant per method, per (drafter, block size, loop setting) for drafter methods and per --gguf file for
     llama.cpp methods; stable labels. llama.cpp servers are created (not started) and appended to `servers`."""
@@ -604,8 +604,9 @@ def add_bench(sub) -> None:
                    help="DLoop gates (summed draft log-probability needed for another stage) to sweep, "
                         "comma-separated, e.g. -0.5,-0.75,-1 (default -0.75; used when loop stages > 1)")
     p.add_argument("--lookup", default="on",
-                   help="prompt lookup for dflash: on, off, or on,off to compare side by side (default on: where the "
-                        "context's last n-gram recurs, verify what followed it instead of drafting)")
+                   help="prompt lookup for dflash: on, off, tree, or a comma list to compare side by side (default on: "
+                        "where the context's last n-gram recurs, verify what followed it instead of drafting; tree: "
+                        "at temperature 0 verify it as one more path of the drafter's tree)")
     p.add_argument("--tree",
                    help="draft-tree nodes per drafter cycle at temperature 0, comma-separated to sweep, e.g. 0,7 "
                         f"(default {DEFAULT_TREE}, 0 with DLoop; 0 verifies the drafter's chain)")
@@ -682,13 +683,15 @@ def parse_list(text: str, what: str, kind: type) -> list:
     return values
 
 
-def parse_lookup(text: str) -> list[bool]:
-    """--lookup 'on', 'off' or 'on,off' → [True], [False], [True, False]."""
+LOOKUP_MODES: dict[str, bool | str] = {"on": True, "off": False, "tree": "tree"}
+
+
+def parse_lookup(text: str) -> list[bool | str]:
+    """--lookup 'on', 'off', 'tree' or a comma list of them ('on,tree') → [True], [False], ['tree'], [True, 'tree']."""
     values = parse_list(text, "--lookup", str)
-    bad = [v for v in values if v not in ("on", "off")]
-    if bad:
-        raise FlashdraftError(f"--lookup takes on, off or on,off; got {text!r}")
-    return [v == "on" for v in dict.fromkeys(values)]
+    if any(v not in LOOKUP_MODES for v in values):
+        raise FlashdraftError(f"--lookup takes on, off, tree or a comma list of them (e.g. on,off); got {text!r}")
+    return [LOOKUP_MODES[v] for v in dict.fromkeys(values)]
 
 
 def parse_trees(text: str | None, loop_stages: list[int]) -> list[int | None]:

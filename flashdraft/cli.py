@@ -71,6 +71,10 @@ def add_generate(sub) -> None:
     p.add_argument("--no-lookup", action="store_true",
                    help="draft every cycle with the drafter; by default, where the text's last n-gram recurs, the "
                         "tokens that followed it are verified instead (prompt lookup, no drafter pass)")
+    p.add_argument("--lookup-tree", action="store_true",
+                   help="at temperature 0, verify a prompt-lookup draft as one more path of the drafter's tree "
+                        "instead of in its place (higher τ, but a drafter pass and up to 7 more verify rows per "
+                        "lookup cycle; see README, Prompt lookup)")
     p.add_argument("--tree", type=int,
                    help="at temperature 0, verify a tree of this many drafted nodes per drafter cycle: the drafter's "
                         f"likeliest continuations, not one chain (default {DEFAULT_TREE}, 0 with DLoop; 0 = the chain)")
@@ -116,8 +120,11 @@ def cmd_generate(args) -> int:
         raise FlashdraftError("--gguf is for --engine llamacpp")
     if args.engine == "llamacpp" and args.loop_stages != 1:
         raise FlashdraftError("--loop-stages (DLoop) runs on the torch engine only; drop it or use --engine torch")
-    if args.engine == "llamacpp" and args.no_lookup:
-        raise FlashdraftError("--no-lookup is for --engine torch (llama.cpp drafts every cycle); drop it")
+    if args.engine == "llamacpp" and (args.no_lookup or args.lookup_tree):
+        flag = "--no-lookup" if args.no_lookup else "--lookup-tree"
+        raise FlashdraftError(f"{flag} is for --engine torch (llama.cpp drafts every cycle); drop it")
+    if args.no_lookup and args.lookup_tree:
+        raise FlashdraftError("--no-lookup and --lookup-tree contradict each other; pass one")
     if args.engine == "llamacpp" and args.tree is not None:
         raise FlashdraftError("--tree is for --engine torch (llama.cpp verifies a chain); drop it")
     target = load_target(args.target, dtype=args.dtype, device=device)
@@ -130,7 +137,7 @@ def cmd_generate(args) -> int:
     stops = target.stop_token_ids() if stops is None else stops
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=params.temperature, top_k=params.top_k,
               top_p=params.top_p, seed=args.seed, stop_token_ids=stops)
-    loop = dict(loop_stages=args.loop_stages, loop_gate=args.loop_gate, lookup=not args.no_lookup, tree=tree)
+    loop = dict(loop_stages=args.loop_stages, loop_gate=args.loop_gate, lookup="tree" if args.lookup_tree else not args.no_lookup, tree=tree)
     if args.compare_ar:  # warm both paths so neither pays first-call costs in the comparison
         generate_ids(target.model, drafter, ids, block_size=block_size, **{**kw, "max_new_tokens": 4}, **loop)
         generate_ids(target.model, None, ids, block_size=1, **{**kw, "max_new_tokens": 4})

@@ -52,8 +52,8 @@ class Cycle:
     accepted: int  # drafts kept
     emitted: list[int]  # tokens this cycle added to the output (after stop / length truncation)
     stages: int = 0  # drafting stages of b-1 drafts each behind this block (1: plain DFlash or a tree; 0: block size
-    # 1 or a lookup chain)
-    lookup: bool = False  # prompt lookup (lookup.py) drafted: the whole chain, or one path of a tree
+    # 1 or a lookup draft alone)
+    lookup: bool = False  # prompt lookup (lookup.py) drafted: the whole chain, or one path of a tree (lookup="tree")
     parents: list[int] | None = None  # a draft tree (tree.py): each draft's parent among the drafts, -1: the anchor
 
 
@@ -218,16 +218,19 @@ def check_args(block_size: int, max_new_tokens: int) -> None:
 def decode(model: PreTrainedModel, prompt_ids: list[int], *, block_size: int, max_new_tokens: int,
            params: SamplingParams, layer_ids: list[int], propose: Proposer | None, seed: int = 0,
            stop_token_ids: list[int] | tuple = (), timing: Timing | None = None,
-           state_hook: Callable[[DecodeState], None] | None = None, lookup: bool = False,
+           state_hook: Callable[[DecodeState], None] | None = None, lookup: bool | str = False,
            propose_tree: TreeProposer | None = None) -> Iterator[Cycle]:
     """Yield one Cycle per target verify; the prefill's first token comes as a Cycle with an empty block.
 
-    lookup: where the context's last n-gram recurs, verify the tokens that followed it (prompt lookup, lookup.py): as
-    one more path of the drafter's tree where trees run, else as the whole draft instead of calling `propose`.
+    lookup: where the context's last n-gram recurs, verify the tokens that followed it (prompt lookup, lookup.py) as
+    the whole draft instead of calling `propose`; "tree": as one more root path of the drafter's tree where trees run
+    (elsewhere as True).
     propose_tree: at temperature 0, draft a tree (tree.py) instead of calling `propose` (a chain), where the target's
     cache can compact a verified path (every layer full attention); elsewhere `propose` drafts as usual.
     """
     check_args(block_size, max_new_tokens)
+    if lookup not in (True, False, "tree"):
+        raise FlashdraftError(f"lookup must be True, False or 'tree', got {lookup!r}")
     T.check_prompt(model, prompt_ids)
     if block_size > 1 and propose is None:
         raise FlashdraftError("block size > 1 needs a drafter; pass one or use block size 1")
@@ -266,9 +269,9 @@ def decode(model: PreTrainedModel, prompt_ids: list[int], *, block_size: int, ma
         k = min(max(b, LOOKUP_BLOCK), state.end - start) - 1  # a lookup draft may run past a small drafter block
         look = lookup_drafts(state.tokens, k) if lookup and b > 1 else []
         parents = None  # a chain; else the drafts are a tree's nodes
-        if b > 1 and propose_tree is not None:  # a lookup draft joins the drafter's tree as one more root path
+        if b > 1 and propose_tree is not None and (lookup == "tree" or not look):
             nodes, parents = propose_tree(state, start, b)
-            nodes, parents = graft_chain(nodes.tolist(), parents, look)
+            nodes, parents = graft_chain(nodes.tolist(), parents, look)  # a lookup draft: one more root path
             drafts, q = torch.tensor(nodes, dtype=torch.long, device=dev), None
         elif look:
             drafts, q = torch.tensor(look, device=dev), None
@@ -338,12 +341,13 @@ def generate_ids(model: PreTrainedModel, drafter: torch.nn.Module | None, prompt
                  on_tokens: Callable[[list[int]], None] | None = None,
                  state_hook: Callable[[DecodeState], None] | None = None,
                  propose: Proposer | None = None, loop_stages: int = 1, loop_gate: float = -0.75,
-                 lookup: bool = True, tree: int | None = None) -> GenerationResult:
+                 lookup: bool | str = True, tree: int | None = None) -> GenerationResult:
     """Speculative decoding of prompt_ids with drafter (None and block size 1: plain autoregressive).
 
-    lookup (on by default): where the context's last n-gram recurs, verify the tokens that followed it (prompt lookup,
-    lookup.py): grafted onto the drafter's tree at temperature 0, in place of the drafter's chain elsewhere; lossless
-    like any draft. Off, every cycle is the drafter's alone.
+    lookup (True by default): where the context's last n-gram recurs, verify the tokens that followed it instead of
+    running the drafter (prompt lookup, lookup.py); lossless like any draft. "tree": at temperature 0 verify them as
+    one more path of the drafter's tree instead, which keeps the longer of the two (more τ, more verify rows and a
+    drafter pass every cycle). False: every cycle is the drafter's.
 
     tree: at temperature 0, each drafter cycle verifies a tree of that many drafted nodes (tree.py) instead of the
     drafter's b-1 chain; 0 verifies the chain. None: DEFAULT_TREE with the drafter's own one-stage proposer, else 0.
@@ -378,6 +382,6 @@ def generate_ids(model: PreTrainedModel, drafter: torch.nn.Module | None, prompt
     timing.other_s = max(0.0, timing.total_s - timing.prefill_s - timing.draft_s - timing.verify_s)
     timing.tokens_per_s = len(output) / timing.total_s if timing.total_s > 0 else 0.0
     config = {"block_size": block_size, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
-              "loop_stages": loop_stages, "loop_gate": loop_gate, "lookup": lookup and block_size > 1,
+              "loop_stages": loop_stages, "loop_gate": loop_gate, "lookup": lookup if block_size > 1 else False,
               "tree": tree if propose_tree and trees_apply(params, T.new_cache(model)) else 0}
     return GenerationResult(output, len(prompt_ids), cycles, timing, config)

@@ -9,6 +9,7 @@ from flashdraft.checkpoint import save_drafter
 from flashdraft.cli import main
 from flashdraft.decode import generate_ids
 from flashdraft.dflash2 import upgrade_to_dflash2
+from flashdraft.errors import FlashdraftError
 from flashdraft.lookup import lookup_drafts
 from helpers import hf_greedy, random_drafter, save_tiny_model_dir, tiny_target
 from lossless import assert_greedy_lossless
@@ -42,32 +43,33 @@ def _repetitive_prompt(vocab: int, seed: int) -> list[int]:
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_lookup_decoding_equals_target(kind):
-    """Lookup drafts, grafted onto the drafter's trees or alone in chain mode, keep the target's greedy output."""
+    """Lookup drafts, alone or grafted onto the drafter's trees, keep the target's greedy output at every block size."""
     target = tiny_target(kind)
     drafter = random_drafter(target, block_size=16)
-    looked = 0
+    looked = grown = 0
     for seed in range(3):
         prompt = _repetitive_prompt(target.config.vocab_size, seed)
         ref = hf_greedy(target, prompt, 40)
         for bs in [2, 4, 8, 16]:
             res = generate_ids(target, drafter, prompt, block_size=bs, max_new_tokens=40)
             assert_greedy_lossless(target, prompt, res.output_ids, ref)
-            # every cycle verifies the drafter's tree (7 nodes, one pass); a lookup draft of up to max(bs, 8) - 1
-            # tokens joins it as one more path
-            drafted = [c for c in res.cycles if len(c.block) > 1]
-            assert res.config["lookup"] and all(c.parents is not None and c.stages == 1 for c in drafted)
-            assert all(len(c.block) <= 1 + 7 + (max(bs, 8) - 1 if c.lookup else 0) for c in drafted)
-            assert any(len(c.block) > 8 for c in drafted if c.lookup)
+            # lookup cycles verify a chain of max(bs, 8) rows at most; drafter cycles the default tree (7 nodes)
+            assert res.config["lookup"] is True and all(
+                len(c.block) <= max(bs, 8) if c.lookup else c.parents is not None and len(c.block) <= 8
+                for c in res.cycles if len(c.block) > 1)
+            assert all(c.stages == (0 if c.lookup else 1) for c in res.cycles if len(c.block) > 1)
             looked += res.lookup_cycles
-            chain = generate_ids(target, drafter, prompt, block_size=bs, max_new_tokens=40, tree=0)
-            assert chain.output_ids == ref
-            # without trees a lookup draft replaces the drafter's chain: max(bs, 8) rows, no drafter pass
-            assert all(len(c.block) <= max(bs, 8) and c.stages == 0 and c.parents is None
-                       for c in chain.cycles if c.lookup)
-            looked += chain.lookup_cycles
+            # lookup="tree": every cycle is the drafter's tree (one pass, 7 nodes), a lookup draft one more path of it
+            grafted = generate_ids(target, drafter, prompt, block_size=bs, max_new_tokens=40, lookup="tree")
+            assert grafted.output_ids == ref and grafted.config["lookup"] == "tree" and grafted.lookup_cycles > 0
+            drafted = [c for c in grafted.cycles if len(c.block) > 1]
+            assert all(c.parents is not None and c.stages == 1 for c in drafted)
+            assert all(len(c.block) <= 1 + 7 + (max(bs, 8) - 1 if c.lookup else 0) for c in drafted)
+            looked += grafted.lookup_cycles
+            grown += sum(len(c.block) > 8 for c in drafted)  # a lookup path added rows beyond the tree's 8
             off = generate_ids(target, drafter, prompt, block_size=bs, max_new_tokens=40, lookup=False)
             assert off.output_ids == ref and off.lookup_cycles == 0 and not off.config["lookup"]
-    assert looked > 10  # the path under test ran
+    assert looked > 10 and grown > 0  # the paths under test ran
 
 
 def test_lookup_with_loops_and_dflash2_is_lossless():
@@ -78,6 +80,8 @@ def test_lookup_with_loops_and_dflash2_is_lossless():
     ref = hf_greedy(target, prompt, 32)
     res = generate_ids(target, d2, prompt, block_size=8, max_new_tokens=32, loop_stages=3, loop_gate=float("-inf"))
     assert res.output_ids == ref and res.lookup_cycles > 0
+    grafted = generate_ids(target, d2, prompt, block_size=8, max_new_tokens=32, lookup="tree")  # selector trees
+    assert grafted.output_ids == ref and grafted.lookup_cycles > 0
     assert any(c.stages > 1 for c in res.cycles if not c.lookup)  # DLoop still drafts the cycles lookup leaves
 
 
@@ -119,6 +123,14 @@ def test_cli_generate_lookup_switch(dirs, capsys):
     off = json.loads(out.out)
     assert off["output_ids"] == ref and not off["config"]["lookup"] and not any(c["lookup"] for c in off["cycles"])
     assert "prompt lookup" not in out.err
+    assert main([*base, "--lookup-tree"]) == 0
+    out = capsys.readouterr()
+    tree = json.loads(out.out)
+    assert tree["output_ids"] == ref and tree["config"]["lookup"] == "tree"
+    assert all(c["parents"] is not None for c in tree["cycles"] if c["lookup"])
+    assert main([*base, "--lookup-tree", "--no-lookup"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and "--no-lookup and --lookup-tree" in err[0], err
 
 
 def test_cli_no_lookup_with_llamacpp_exits_2(dirs, capsys):
@@ -137,13 +149,28 @@ def test_bench_compares_lookup_on_and_off(dirs, tmp_path, capsys):
     argv = ["bench", "--target", str(root / "target"), "--drafter", str(root / "drafter"), "--dataset",
             f"rep={tmp_path / 'rep.jsonl'}", "--methods", "ar,dflash", "--max-new-tokens", "24", "--no-chat",
             "--out", str(out)]
-    assert main([*argv, "--lookup", "on,off"]) == 0
+    assert main([*argv, "--lookup", "on,off,tree"]) == 0
     s = json.loads((out / "summary.json").read_text())
-    assert s["methods"] == ["ar", "dflash[lookup]", "dflash[no-lookup]"] and not s["correctness"]["failed"]
+    assert s["methods"] == ["ar", "dflash[lookup]", "dflash[no-lookup]", "dflash[lookup-tree]"]
+    assert not s["correctness"]["failed"] and s["variants"]["dflash[lookup-tree]"]["lookup"] == "tree"
     assert s["variants"]["dflash[lookup]"]["lookup"] and not s["variants"]["dflash[no-lookup]"]["lookup"]
     rows = s["results"]["all"]
     assert rows["dflash[lookup]"]["lookup_cycles"] > 0 and rows["dflash[no-lookup]"]["lookup_cycles"] == 0
     capsys.readouterr()
     assert main([*argv[:-1], str(tmp_path / "bad"), "--lookup", "maybe"]) == 2
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
-    assert len(err) == 1 and "--lookup takes on, off or on,off" in err[0], err
+    assert len(err) == 1 and "--lookup takes on, off, tree" in err[0], err
+
+
+def test_lookup_tree_falls_back_to_chains_when_sampling_and_rejects_bad_modes():
+    target = tiny_target("qwen3")
+    drafter = random_drafter(target, block_size=8)
+    prompt = _repetitive_prompt(target.config.vocab_size, 3)
+    kw = dict(block_size=8, max_new_tokens=24, temperature=0.8, seed=5)
+    on = generate_ids(target, drafter, prompt, **kw)
+    tree = generate_ids(target, drafter, prompt, lookup="tree", **kw)
+    # trees (and so grafting) run at T=0 only: at T>0 "tree" is plain lookup, the same cycles from the same seed
+    assert tree.output_ids == on.output_ids and [c.block for c in tree.cycles] == [c.block for c in on.cycles]
+    assert tree.lookup_cycles > 0 and all(c.parents is None for c in tree.cycles)
+    with pytest.raises(FlashdraftError, match="lookup must be True, False or 'tree'"):
+        generate_ids(target, drafter, prompt, block_size=8, max_new_tokens=4, lookup="graft")
