@@ -687,7 +687,7 @@ LOOKUP_MODES: dict[str, bool | str] = {"on": True, "off": False, "tree": "tree"}
 
 
 def parse_lookup(text: str) -> list[bool | str]:
-    """--lookup 'on', 'off', 'tree' or a comma list of them ('on,tree') → [True], [False], ['tree'], [True, 'tree']."""
+    """--lookup 'on', 'off', 'tree' or a comma list of them → [True], [False], ['tree'], e.g. [True, 'tree']."""
     values = parse_list(text, "--lookup", str)
     if any(v not in LOOKUP_MODES for v in values):
         raise FlashdraftError(f"--lookup takes on, off, tree or a comma list of them (e.g. on,off); got {text!r}")

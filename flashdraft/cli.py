@@ -137,7 +137,8 @@ def cmd_generate(args) -> int:
     stops = target.stop_token_ids() if stops is None else stops
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=params.temperature, top_k=params.top_k,
               top_p=params.top_p, seed=args.seed, stop_token_ids=stops)
-    loop = dict(loop_stages=args.loop_stages, loop_gate=args.loop_gate, lookup="tree" if args.lookup_tree else not args.no_lookup, tree=tree)
+    lookup = "tree" if args.lookup_tree else not args.no_lookup
+    loop = dict(loop_stages=args.loop_stages, loop_gate=args.loop_gate, lookup=lookup, tree=tree)
     if args.compare_ar:  # warm both paths so neither pays first-call costs in the comparison
         generate_ids(target.model, drafter, ids, block_size=block_size, **{**kw, "max_new_tokens": 4}, **loop)
         generate_ids(target.model, None, ids, block_size=1, **{**kw, "max_new_tokens": 4})

@@ -1,10 +1,10 @@
 """Prompt lookup: draft the tokens that followed an earlier occurrence of the context's last n-gram.
 
 Text repeats itself (names, numbers, code identifiers, a phrase the answer echoes from the question). Where it does,
-the repeat is a long draft that needs no drafter; decode (decode.py) verifies it like any other draft, so the output
-is unchanged. With draft trees (temperature 0) the repeat becomes one more root path of the drafter's tree, so a cycle
-keeps whichever of the two the target agrees with longer; without trees it replaces the drafter's chain and saves
-the drafter pass. Where nothing recurs, the drafter drafts as usual.
+the repeat is a long draft that costs no drafter pass; decode (decode.py) verifies it like any other draft, so the
+output is unchanged. Where nothing recurs, the drafter drafts as usual. With lookup="tree" and draft trees (temperature
+0) the repeat instead becomes one more root path of the drafter's tree, and a cycle keeps whichever of the two the
+target agrees with longer.
 """
 
 from __future__ import annotations
