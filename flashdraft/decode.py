@@ -270,9 +270,10 @@ def decode(model: PreTrainedModel, prompt_ids: list[int], *, block_size: int, ma
         look = lookup_drafts(state.tokens, k) if lookup and b > 1 else []
         parents = None  # a chain; else the drafts are a tree's nodes
         if b > 1 and propose_tree is not None and (lookup == "tree" or not look):
-            nodes, parents = propose_tree(state, start, b)
-            nodes, parents = graft_chain(nodes.tolist(), parents, look)  # a lookup draft: one more root path
-            drafts, q = torch.tensor(nodes, dtype=torch.long, device=dev), None
+            (drafts, parents), q = propose_tree(state, start, b), None
+            if look:  # lookup="tree": the lookup draft becomes one more root path of the drafter's tree
+                nodes, parents = graft_chain(drafts.tolist(), parents, look)
+                drafts = torch.tensor(nodes, dtype=torch.long, device=dev)
         elif look:
             drafts, q = torch.tensor(look, device=dev), None
         elif b > 1:

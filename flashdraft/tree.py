@@ -64,11 +64,16 @@ def node_depths(parents: list[int]) -> list[int]:
     return out
 
 
+def child(tokens: list[int], parents: list[int], parent: int, token: int) -> int | None:
+    """Index of the node holding `token` under node `parent` (-1: the anchor), or None."""
+    return next((i for i, (t, p) in enumerate(zip(tokens, parents)) if t == token and p == parent), None)
+
+
 def graft_chain(tokens: list[int], parents: list[int], chain: list[int]) -> tuple[list[int], list[int]]:
     """The tree with `chain` added as a root path, sharing the nodes it already has → (tokens, parents)."""
     tokens, parents, at = list(tokens), list(parents), -1
     for t in chain:
-        node = next((i for i, (u, p) in enumerate(zip(tokens, parents)) if u == t and p == at), None)
+        node = child(tokens, parents, at, t)
         if node is None:
             tokens.append(t)
             parents.append(at)
@@ -82,7 +87,7 @@ def accept_tree_greedy(tokens: list[int], parents: list[int], target_ids: list[i
     path, row = [], 0
     while True:
         want = target_ids[row]
-        nxt = next((i for i, (t, p) in enumerate(zip(tokens, parents)) if t == want and p == row - 1), None)
+        nxt = child(tokens, parents, row - 1, want)
         if nxt is None:
             return path, want
         path.append(nxt)
