@@ -2,10 +2,10 @@
 
 from .api import generate
 from .checkpoint import load_drafter, save_drafter
-from .decode import GenerationResult, generate_ids
+from .decoding import DecodeSettings, GenerationResult, generate_ids
 from .errors import FlashdraftError
 from .models import Target, load_drafter_for, load_target
 
-__all__ = ["generate", "generate_ids", "load_target", "load_drafter", "load_drafter_for", "save_drafter",
+__all__ = ["generate", "generate_ids", "DecodeSettings", "load_target", "load_drafter", "load_drafter_for", "save_drafter",
            "GenerationResult", "FlashdraftError", "Target"]
 __version__ = "0.1.0"

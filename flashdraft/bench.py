@@ -22,7 +22,7 @@ from typing import Callable
 
 from .errors import FlashdraftError
 from .jsonl import read_records
-from .tree import DEFAULT_TREE, resolve_tree
+from .decoding import DEFAULT_TREE, DecodeSettings
 
 HUB_DATASETS = {  # name → (hub id, config, split, record → turns)
     "gsm8k": ("openai/gsm8k", "main", "test", lambda r: [r["question"]]),
@@ -78,7 +78,7 @@ Method = Callable[[object, list[int], Settings], Sample]
 # ---------------------------------------------------------------- methods
 
 def _flashdraft(target, ids: list[int], s: Settings, drafter, block_size: int) -> Sample:
-    from .decode import generate_ids
+    from .decoding import generate_ids
 
     r = generate_ids(target.model, drafter, ids, block_size=block_size, max_new_tokens=s.max_new_tokens,
                      temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
@@ -364,14 +364,14 @@ def drafter_variants(target, m: str, drafters: list[str | None], block_sizes: li
                                    replace(base, block_size=b, server=server), desc))
                 continue
             for (stages, gate), lookup, asked in itertools.product(loops, lookups, trees):
-                tree = resolve_tree(asked, stages)
+                tree = DecodeSettings(tree=asked, loop_stages=stages).resolve(None).tree
                 label_parts, vdesc = list(parts), {**desc, "lookup": lookup, "tree": tree}
                 if stages > 1:
                     label_parts += [f"s{stages}", f"g{gate:g}"]
                     vdesc |= {"loop_stages": stages, "loop_gate": gate}
                 if len(lookups) > 1 or lookup is not True:  # on is the default and goes unlabelled alone
                     label_parts.append({True: "lookup", False: "no-lookup", "tree": "lookup-tree"}[lookup])
-                if len(trees) > 1 or tree != resolve_tree(None, stages):  # the default goes unlabelled alone
+                if len(trees) > 1 or tree != DecodeSettings(loop_stages=stages).resolve(None).tree:  # the default goes unlabelled alone
                     label_parts.append(f"tree{tree}" if tree else "chain")
                 settings = replace(base, drafter=drafter, block_size=b, loop_stages=stages, loop_gate=gate,
                                    lookup=lookup, tree=tree)
@@ -710,21 +710,16 @@ def parse_trees(text: str | None, loop_stages: list[int]) -> list[int | None]:
 
 def parse_loops(args) -> tuple[list[int], list[float]]:
     """--loop-stages and --loop-gate as checked lists."""
-    from .dloop import check_loop
-
     stages, gates = parse_list(args.loop_stages, "--loop-stages", int), parse_list(args.loop_gate, "--loop-gate", float)
     for s in stages:
         for g in gates:
-            check_loop(s, g)
+            DecodeSettings(loop_stages=s, loop_gate=g).validate()
     return stages, gates
 
 
 def check_bench_args(args) -> None:
-    from .decode import check_args
-    from .sampling import SamplingParams
-
-    check_args(1, args.max_new_tokens)
-    SamplingParams(args.temperature, args.top_k, args.top_p)
+    DecodeSettings(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                   top_p=args.top_p).validate()
     if args.max_samples is not None and args.max_samples < 1:
         raise FlashdraftError(f"--max-samples must be >= 1, got {args.max_samples}")
     if args.limit_time is not None and not args.limit_time > 0:

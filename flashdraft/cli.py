@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from .errors import FlashdraftError
-from .tree import DEFAULT_TREE, resolve_tree
+from .decoding import DEFAULT_TREE, DecodeSettings
 
 COMPARE_RUNS = 3  # --compare-ar pairs: one timing of a ~2 s generation on a shared machine varies by 10-20%
 
@@ -94,16 +94,15 @@ def add_generate(sub) -> None:
 def cmd_generate(args) -> int:
     import torch
 
-    from .decode import check_args, generate_ids
-    from .dloop import check_loop
+    from .decoding import generate_ids
     from .models import load_drafter_or_plain, load_target
     from .sampling import SamplingParams
     from .target import check_prompt
 
     params = SamplingParams(args.temperature, args.top_k, args.top_p)
-    check_args(args.block_size if args.block_size is not None else 1, args.max_new_tokens)
-    check_loop(args.loop_stages, args.loop_gate)
-    tree = resolve_tree(args.tree, args.loop_stages)
+    DecodeSettings(block_size=args.block_size, max_new_tokens=args.max_new_tokens, loop_stages=args.loop_stages,
+                   loop_gate=args.loop_gate, tree=args.tree).validate()
+    tree = args.tree
     if args.prompt is None and args.prompt_ids is None:
         raise FlashdraftError("give a prompt: flashdraft generate \"text\" or --prompt-ids 1,2,3")
     if args.prompt is not None and args.prompt_ids is not None:

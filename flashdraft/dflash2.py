@@ -1,7 +1,8 @@
-"""DFlash 2 additions (DESIGN.md §3): grouped dynamic short convolutions and the candidate-path selector."""
+"""DFlash 2 additions (docs/design.md §3): grouped dynamic short convolutions and the candidate-path selector."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -90,12 +91,6 @@ class CandidateSelector(nn.Module):
         return torch.stack(drafts) if drafts else cand[:, 0], q
 
 
-def top_children(logits: torch.Tensor, width: int) -> Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]:
-    """Tree children of a drafter without a selector: position d's top-`width` log-probabilities, whatever the parent."""
-    lp, ids = torch.log_softmax(logits.float(), -1).topk(min(width, logits.shape[-1]), -1)  # [B-1, width]
-    return lambda d, prev: (lp[d], ids[d])
-
-
 def selector_children(selector: CandidateSelector, hidden: torch.Tensor, logits: torch.Tensor,
                       width: int) -> Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]:
     """Tree children under DFlash 2: position d's top-k candidates rescored S_d(parent, ·), the best `width` of them.
@@ -143,12 +138,8 @@ def selector_loss(selector: CandidateSelector, hidden: torch.Tensor, logits: tor
 
 def upgrade_to_dflash2(drafter: nn.Module, **dflash2_fields) -> nn.Module:
     """A DFlash 2 drafter that drafts exactly like `drafter` (identity convolutions, zero pair term)."""
-    from dataclasses import replace
-
-    from .drafter import DFlashDrafter
-
     cfg = replace(drafter.config, arch="dflash2", **dflash2_fields)
-    new = DFlashDrafter(cfg).to(dtype=next(drafter.parameters()).dtype, device=next(drafter.parameters()).device)
+    new = type(drafter)(cfg).to(dtype=next(drafter.parameters()).dtype, device=next(drafter.parameters()).device)
     missing, unexpected = new.load_state_dict(drafter.state_dict(), strict=False)
     assert not unexpected and all("conv" in k or "candidate_selector" in k for k in missing), (missing, unexpected)
     return new.eval()

@@ -1,8 +1,9 @@
-"""The DFlash block-diffusion drafter (DESIGN.md §2) and its context K/V cache."""
+"""The DFlash block-diffusion drafter (docs/design.md §2) and its context K/V cache."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -10,7 +11,9 @@ from torch import nn
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
 from .config import DrafterConfig, layer_attention
+from .dflash2 import CandidateSelector, ShortConv, selector_children
 from .packed import is_packed, linear, pack_weight
+from .sampling import SamplingParams, process, sample
 
 KV = tuple[torch.Tensor, torch.Tensor]  # each [b, kv_heads, n, head_dim]
 
@@ -119,8 +122,6 @@ class DrafterLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         if cfg.arch == "dflash2":
-            from .dflash2 import ShortConv
-
             self.attention_conv, self.mlp_conv = ShortConv(cfg), ShortConv(cfg)
 
     def forward(self, x: torch.Tensor, rope: tuple, ctx: KV, mask: torch.Tensor | None,
@@ -145,10 +146,8 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(cfg.to_qwen3())
-        if cfg.arch == "dflash2":
-            from .dflash2 import CandidateSelector
-
-            self.candidate_selector = CandidateSelector(cfg)
+        # DFlash 2 picks its drafts with a candidate-path selector; DFlash 1 takes each position's own choice
+        self.candidate_selector = CandidateSelector(cfg) if cfg.arch == "dflash2" else None
         # Sorted token ids the drafter may propose (None: all). Not a weight: it lives in draft_vocab.json.
         self.draft_vocab: torch.Tensor | None = None
         self._draft_head: tuple | None = None  # (key, rows of the LM head for draft_vocab, their bias)
@@ -204,6 +203,27 @@ class DFlashDrafter(nn.Module):
         full = sub.new_full((*sub.shape[:-1], w.shape[0]), float("-inf"))
         full[..., self.draft_vocab.to(full.device)] = sub
         return full
+
+    def choose_drafts(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: int, params: SamplingParams,
+                      gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Drafts [n] for the last n block positions (hidden [n, H], logits [n, V]) and the q [n, V] they were drawn
+        from (None at temperature 0): DFlash 2 walks its candidate paths from the anchor; DFlash 1 takes each
+        position's argmax, or a sample of its processed distribution."""
+        if self.candidate_selector is not None:
+            return self.candidate_selector.walk(hidden, logits, anchor, params.temperature, gen)
+        if params.greedy:
+            return logits.argmax(-1), None
+        q = process(logits, params)
+        return sample(q, gen), q
+
+    def tree_children(self, hidden: torch.Tensor, logits: torch.Tensor,
+                      width: int) -> Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]:
+        """children(depth, parent token) → (log-probabilities, token ids) of a draft tree's best `width` children:
+        DFlash 2 rescores each position's candidates by the parent (selector); DFlash 1 ignores the parent."""
+        if self.candidate_selector is not None:
+            return selector_children(self.candidate_selector, hidden, logits, width)
+        lp, ids = torch.log_softmax(logits.float(), -1).topk(min(width, logits.shape[-1]), -1)  # [n, width]
+        return lambda d, prev: (lp[d], ids[d])
 
     def scale_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """output_multiplier and final_logit_softcapping (DFlash 2 checkpoints), when set."""

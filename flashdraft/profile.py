@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 
 from . import target as T
-from .decode import generate_ids
+from .decoding import generate_ids
 from .errors import FlashdraftError
 
 

@@ -9,7 +9,7 @@ The accepted path is the longest root path the target's argmax agrees with; its 
 contiguous in the target's cache (target.keep_rows), so the cache ends exactly as after a chain.
 
 Only greedy decoding uses trees: at T > 0 the lossless rule for several drafts per position differs from the chain's
-(decode.py falls back to the chain there).
+(decoding falls back to the chain there).
 """
 
 from __future__ import annotations
@@ -17,15 +17,10 @@ from __future__ import annotations
 import heapq
 from typing import TYPE_CHECKING, Callable
 
-from .errors import FlashdraftError
 
 if TYPE_CHECKING:
     import torch
 
-# Nodes per drafter cycle by default: with the anchor a tree verifies 8 rows, as a prompt-lookup cycle does. Chosen on
-# the dev split; on a 2-core Xeon with the default drafter it raised τ by 9-21% and speed by 2-11% over the block-4
-# chain (README "Draft trees").
-DEFAULT_TREE = 7
 TREE_WIDTH = 4  # children considered per node; the budget, not the width, bounds the tree
 
 # children(depth, parent token) -> (log-probabilities [M], token ids [M]) of the best M children of such a node
@@ -92,21 +87,3 @@ def accept_tree_greedy(tokens: list[int], parents: list[int], target_ids: list[i
             return path, want
         path.append(nxt)
         row = nxt + 1
-
-
-def check_tree(tree: int, loop_stages: int = 1, own_proposer: bool = True) -> None:
-    """One-line errors for tree settings that cannot work."""
-    if not isinstance(tree, int) or tree < 0:
-        raise FlashdraftError(f"tree must be a node count >= 0 (0 verifies the drafter's chain), got {tree}")
-    if tree and loop_stages > 1:
-        raise FlashdraftError("a draft tree and DLoop stages do not combine; use tree=0 or loop_stages=1")
-    if tree and not own_proposer:
-        raise FlashdraftError("tree drafts come from the drafter itself; drop `propose` or use tree=0")
-
-
-def resolve_tree(tree: int | None, loop_stages: int = 1, own_proposer: bool = True) -> int:
-    """tree as given (checked), else the default: DEFAULT_TREE, or the chain under DLoop or a custom proposer."""
-    if tree is None:
-        return DEFAULT_TREE if loop_stages == 1 and own_proposer else 0
-    check_tree(tree, loop_stages, own_proposer)
-    return tree

@@ -6,7 +6,7 @@ import warnings
 
 import torch
 
-from flashdraft.decode import generate_ids
+from flashdraft.decoding import generate_ids
 
 NEAR_TIE = 1e-4  # fp32 logit gap below which block-vs-single-token numerics may flip an argmax
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flashdraft import target as T
-from flashdraft.decode import generate_ids
+from flashdraft.decoding import generate_ids
 from helpers import hf_greedy, random_drafter, tiny_target
 from lossless import oracle_proposer
 

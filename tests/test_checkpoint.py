@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 from flashdraft.atomic import umask
 from flashdraft.checkpoint import check_compatible, load_drafter, save_drafter
 from flashdraft.config import default_target_layer_ids
-from flashdraft.decode import generate_ids
+from flashdraft.decoding import generate_ids
 from flashdraft.errors import FlashdraftError
 from helpers import hf_greedy, random_drafter, tiny_target
 

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from flashdraft.checkpoint import load_drafter, save_drafter
-from flashdraft.decode import generate_ids
+from flashdraft.decoding import generate_ids
 from flashdraft.dflash2 import grouped_conv, upgrade_to_dflash2
 from flashdraft.errors import FlashdraftError
 from helpers import hf_greedy, random_drafter, tiny_target

@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from flashdraft import Target, dloop, generate
+from flashdraft import Target, generate
 from flashdraft.checkpoint import save_drafter
 from flashdraft.cli import main
-from flashdraft.decode import drafter_proposer
+from flashdraft.decoding.proposers import ChainProposer, DrafterPass, LoopProposer, stage_confidence
 from flashdraft.dflash2 import upgrade_to_dflash2
 from flashdraft.errors import FlashdraftError
 from flashdraft.sampling import SamplingParams
@@ -100,30 +100,28 @@ def test_one_stage_is_plain_dflash(temperature):
     assert _blocks(generate_ids(target, drafter, prompt, **kw, loop_stages=1, loop_gate=ALWAYS)) == _blocks(plain)
     assert _blocks(generate_ids(target, drafter, prompt, **kw, loop_stages=4, loop_gate=NEVER)) == _blocks(plain)
     params = SamplingParams(temperature)
-    for make in (lambda g: dloop.looped_proposer(target, drafter, params, g, 1, ALWAYS),
-                 lambda g: drafter_proposer(target, drafter, params, g)):
+    for make in (lambda g: LoopProposer(target, drafter, params, g, 1, ALWAYS),
+                 lambda g: ChainProposer(target, drafter, params, g)):
         res = generate_ids(target, drafter, prompt, **kw, propose=make(torch.Generator().manual_seed(4)))
         assert _blocks(res) == _blocks(plain)
 
 
 def oracle_stages(full: list[int], error_rate: float, seed: int, vocab: int):
-    """Stands in for stage_drafter: drafts the target's known greedy tokens (full = prompt + continuation) at each
+    """Stands in for DrafterPass.stage: drafts the target's known greedy tokens (full = prompt + continuation) at each
     stage's positions, corrupted at random, with confident logits so the gate lets later stages run."""
     gen = torch.Generator().manual_seed(seed)
 
-    def factory(model, drafter, params, g):
-        def draft(cache, new_features, inputs, start, n):
-            pos = start + len(inputs)  # the stage's first draft position
-            want = full[pos: pos + n]
-            drafts = torch.tensor(want + [0] * (n - len(want)))  # past the known continuation: anything
-            flip = torch.rand(n, generator=gen) < error_rate
-            drafts[flip] = (drafts[flip] + 1 + torch.randint(vocab - 1, (int(flip.sum()),), generator=gen)) % vocab
-            logits = torch.full((n, vocab), -20.0)
-            logits[torch.arange(n), drafts] = 20.0
-            return drafts, None, logits
-        return draft
+    def stage(self, cache, new_features, inputs, start, n, params, g):
+        pos = start + len(inputs)  # the stage's first draft position
+        want = full[pos: pos + n]
+        drafts = torch.tensor(want + [0] * (n - len(want)))  # past the known continuation: anything
+        flip = torch.rand(n, generator=gen) < error_rate
+        drafts[flip] = (drafts[flip] + 1 + torch.randint(vocab - 1, (int(flip.sum()),), generator=gen)) % vocab
+        logits = torch.full((n, vocab), -20.0)
+        logits[torch.arange(n), drafts] = 20.0
+        return drafts, None, logits
 
-    return factory
+    return stage
 
 
 @pytest.mark.parametrize("error_rate", [0.0, 0.1])
@@ -132,7 +130,7 @@ def test_one_verify_accepts_more_than_a_block(pair, monkeypatch, error_rate):
     vocab = target.config.vocab_size
     prompt = _prompt(10, vocab, seed=2)
     ref = hf_greedy(target, prompt, 60)
-    monkeypatch.setattr(dloop, "stage_drafter", oracle_stages(prompt + ref, error_rate, seed=5, vocab=vocab))
+    monkeypatch.setattr(DrafterPass, "stage", oracle_stages(prompt + ref, error_rate, seed=5, vocab=vocab))
     for bs in [2, 4, 8]:
         res = generate_ids(target, drafter, prompt, block_size=bs, max_new_tokens=60, loop_stages=3, loop_gate=-1.0,
                            state_hook=lambda s: _check(target, None, s))
@@ -192,9 +190,9 @@ def test_stage_confidence_is_the_drafts_log_probability():
     logits = torch.tensor([[2.0, 0.0, -1.0], [0.0, 0.0, 0.0]])
     drafts = torch.tensor([0, 2])
     want = float(torch.log_softmax(logits, -1)[0, 0] + math.log(1 / 3))
-    assert dloop.stage_confidence(drafts, None, logits) == pytest.approx(want)
+    assert stage_confidence(drafts, None, logits) == pytest.approx(want)
     q = torch.tensor([[0.5, 0.5, 0.0], [0.1, 0.2, 0.7]])
-    assert dloop.stage_confidence(drafts, q, logits) == pytest.approx(math.log(0.5) + math.log(0.7))
+    assert stage_confidence(drafts, q, logits) == pytest.approx(math.log(0.5) + math.log(0.7))
 
 
 @pytest.mark.parametrize("stages,gate", [(0, -0.75), (-1, -0.75), (2, math.nan)])

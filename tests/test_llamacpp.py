@@ -165,7 +165,7 @@ def test_exported_drafter_is_lossless_in_llamacpp_and_tau_matches(built, smol, d
     batched kernels whose rounding differs from its one-token kernels; the test shows the tie in the target's fp32
     logits). Its pooled τ is within 10% of flashdraft's with the same drafter (whole-vocabulary drafting on both
     sides: llama.cpp does not read draft_vocab.json)."""
-    from flashdraft.decode import generate_ids
+    from flashdraft.decoding import generate_ids
     from flashdraft.models import DRAFTERS_DIR, load_drafter_for
 
     block, n = 8, 64

@@ -7,7 +7,7 @@ import torch
 
 from flashdraft.checkpoint import save_drafter
 from flashdraft.cli import main
-from flashdraft.decode import generate_ids
+from flashdraft.decoding import generate_ids
 from flashdraft.dflash2 import upgrade_to_dflash2
 from flashdraft.errors import FlashdraftError
 from flashdraft.lookup import lookup_drafts

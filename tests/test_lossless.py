@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from flashdraft.decode import generate_ids
+from flashdraft.decoding import generate_ids
 from helpers import hf_greedy, random_drafter, tiny_target
 from lossless import assert_greedy_lossless, oracle_proposer
 

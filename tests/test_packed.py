@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from flashdraft import packed
-from flashdraft.decode import generate_ids
+from flashdraft.decoding import generate_ids
 from flashdraft.dflash2 import upgrade_to_dflash2
 from flashdraft.sampling import SamplingParams
 from helpers import hf_greedy, random_drafter, tiny_target

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from flashdraft.decode import generate_ids
+from flashdraft.decoding import generate_ids
 from flashdraft.dflash2 import upgrade_to_dflash2
 from flashdraft.errors import FlashdraftError
 from flashdraft.profile import best_block, break_even, measure_torch, predict, profile_table, truncated_tau

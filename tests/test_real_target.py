@@ -5,7 +5,7 @@ import torch
 
 from flashdraft.checkpoint import build_drafter
 from flashdraft.config import drafter_config_for
-from flashdraft.decode import generate_ids
+from flashdraft.decoding import generate_ids
 from flashdraft.models import load_target
 from helpers import hf_greedy
 from lossless import assert_greedy_lossless

@@ -5,8 +5,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import flashdraft.decode as decode_mod
-from flashdraft.decode import generate_ids
+import flashdraft.decoding.loop as decode_mod
+from flashdraft.decoding import generate_ids
 from flashdraft.sampling import SamplingParams, process, sample
 from helpers import random_drafter, tiny_target
 

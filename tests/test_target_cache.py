@@ -8,7 +8,7 @@ from transformers import DynamicCache, MistralConfig, MistralForCausalLM
 from transformers.cache_utils import DynamicLayer
 
 from flashdraft import target as T
-from flashdraft.decode import generate_ids
+from flashdraft.decoding import generate_ids
 from flashdraft.models import load_target
 from helpers import hf_greedy, random_drafter, save_tiny_model_dir, tiny_target
 from lossless import assert_greedy_lossless

@@ -436,7 +436,7 @@ def test_selector_loss_scores_true_predecessor_and_skips_misses():
 
 def test_train_dflash2_from_dflash1_starts_equal(data_dir, tiny_dir, tmp_path):
     from flashdraft.checkpoint import save_drafter
-    from flashdraft.decode import generate_ids
+    from flashdraft.decoding import generate_ids
     from flashdraft.train.trainer import build_or_load_drafter
 
     target = load_target(str(tiny_dir))
@@ -736,7 +736,7 @@ def test_distillation_from_stored_top_k(topk_dir, tiny_dir, tmp_path):
 
 def test_dev_tau_selects_best_and_logs_cpu_hours(topk_dir, tiny_dir, tmp_path):
     from flashdraft.checkpoint import load_drafter
-    from flashdraft.decode import generate_ids
+    from flashdraft.decoding import generate_ids
 
     target = load_target(str(tiny_dir))
     out = tmp_path / "dev"

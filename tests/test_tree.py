@@ -8,9 +8,8 @@ import torch
 from flashdraft import target as T
 from flashdraft.checkpoint import save_drafter
 from flashdraft.cli import main
-from flashdraft.decode import decode, generate_ids
+from flashdraft.decoding import Proposal, generate_ids
 from flashdraft.dflash2 import upgrade_to_dflash2
-from flashdraft.sampling import SamplingParams
 from flashdraft.target import ancestors
 from flashdraft.tree import accept_tree_greedy, best_first_tree, graft_chain, node_depths
 from helpers import hf_greedy, random_drafter, save_tiny_model_dir, tiny_target
@@ -97,10 +96,6 @@ def test_tree_forward_equals_each_path_as_a_chain_and_compacts_the_cache(kind):
     torch.testing.assert_close(nxt.logits, ref.logits[-2:], atol=1e-4, rtol=1e-4)
 
 
-def _no_chain(state, start, b):
-    pytest.fail("a chain was drafted where a tree should have been")
-
-
 def oracle_tree_proposer(reference: list[int], error_rate: float, seed: int, vocab: int, taken: list):
     """Random trees where one random root path follows the target's greedy continuation (corrupted at random) and
     the other nodes are wrong siblings: acceptance takes non-contiguous rows, which keep_rows must compact."""
@@ -125,7 +120,7 @@ def oracle_tree_proposer(reference: list[int], error_rate: float, seed: int, voc
             for _ in range(rand(2) if d + 2 < len(want) else 0):  # wrong children off the path, within the block
                 tokens.append((want[d + 1] + 1 + rand(vocab - 1)) % vocab)
                 parents.append(parent)
-        return torch.tensor(tokens, dtype=torch.long), parents
+        return Proposal(torch.tensor(tokens, dtype=torch.long), parents=parents, stages=1)
 
     return propose
 
@@ -140,13 +135,12 @@ def test_oracle_trees_are_lossless_and_feed_the_drafter_the_right_features(kind,
         prompt = _prompt(n_prompt, vocab, seed=3)
         ref = hf_greedy(model, prompt, 40)
         taken: list = []
-        cycles = list(decode(model, prompt, block_size=bs, max_new_tokens=40, params=SamplingParams(),
-                             layer_ids=layer_ids, propose=_no_chain,
-                             propose_tree=oracle_tree_proposer(ref, error_rate, bs, vocab, taken)))
-        out = [t for c in cycles for t in c.emitted]
+        res = generate_ids(model, None, prompt, block_size=bs, max_new_tokens=40, layer_ids=layer_ids,
+                           propose=oracle_tree_proposer(ref, error_rate, bs, vocab, taken), lookup=False)
+        cycles, out = res.cycles, res.output_ids
         assert_greedy_lossless(model, prompt, out, ref)
         trees = [c for c in cycles if c.parents is not None]
-        assert len(trees) >= len(cycles) - 2  # all but the prefill and a last one-token cycle
+        assert len(trees) >= len(cycles) - 1  # all but a last one-token cycle
         if error_rate == 0.0:
             assert all(c.accepted == max(node_depths(c.parents)) for c in trees)
         if error_rate < 0.5 and bs >= 4:
@@ -183,7 +177,7 @@ def test_drafter_trees_equal_the_target(kind, dflash2):
 @pytest.mark.parametrize("dflash2", [False, True])
 def test_a_one_wide_tree_is_the_chain(dflash2):
     """Width 1 and budget b-1: the tree is the drafter's own chain (argmax, or the DFlash 2 greedy walk)."""
-    from flashdraft.decode import drafter_setup, tree_proposer
+    from flashdraft.decoding.proposers import TreeProposer
 
     target = tiny_target("llama")
     drafter = random_drafter(target, block_size=8)
@@ -192,12 +186,10 @@ def test_a_one_wide_tree_is_the_chain(dflash2):
         with torch.no_grad():
             drafter.candidate_selector.hidden_projection.weight.normal_(0, 0.2)
     prompt = _prompt(20, target.config.vocab_size, seed=5)
-    params = SamplingParams()
-    layer_ids, propose, _ = drafter_setup(target, drafter, 8, params, 0)
-    chain = list(decode(target, prompt, block_size=8, max_new_tokens=30, params=params, layer_ids=layer_ids,
-                        propose=propose))
-    tree = list(decode(target, prompt, block_size=8, max_new_tokens=30, params=params, layer_ids=layer_ids,
-                       propose=_no_chain, propose_tree=tree_proposer(target, drafter, budget=7, width=1)))
+    chain = generate_ids(target, drafter, prompt, block_size=8, max_new_tokens=30, tree=0, lookup=False).cycles
+    tree = generate_ids(target, drafter, prompt, block_size=8, max_new_tokens=30, lookup=False,
+                        propose=TreeProposer(target, drafter, budget=7, width=1)).cycles
+    assert all(c.parents is not None for c in tree if len(c.block) > 1)
     assert [(c.block, c.accepted) for c in tree] == [(c.block, c.accepted) for c in chain]
 
 

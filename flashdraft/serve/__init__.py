@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from ..errors import FlashdraftError
-from ..tree import DEFAULT_TREE
+from ..decoding import DEFAULT_TREE, DecodeSettings
 
 ENGINES = ("torch",)
 
@@ -98,19 +98,17 @@ def cmd_serve(args) -> int:
                               "pip install 'flashdraft[serve]'") from None
     import torch
 
-    from ..dloop import check_loop
     from ..models import DEFAULT_TARGET, load_drafter_or_plain, load_target
-    from ..tree import resolve_tree
     from .engine import Engine
     from .protocol import Served
     from .scheduler import Limits, Scheduler
 
-    check_loop(args.loop_stages, args.loop_gate)
-    tree = resolve_tree(args.tree, args.loop_stages)
+    settings = DecodeSettings(block_size=args.block_size, lookup=not args.no_lookup, tree=args.tree,
+                              loop_stages=args.loop_stages, loop_gate=args.loop_gate).validate()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     target = load_target(args.target, dtype=args.dtype, device=device)
     drafter = load_drafter_or_plain(target, args.drafter, args.block_size)
-    engine = Engine(target, drafter, args.block_size, args.loop_stages, args.loop_gate, not args.no_lookup, tree)
+    engine = Engine(target, drafter, settings)
     limits = Limits(args.max_queue, args.request_timeout, args.max_body_bytes, args.shutdown_timeout)
     scheduler = Scheduler(engine, limits)
     model_id = args.served_model_name or served_name(args.target, DEFAULT_TARGET)

@@ -7,14 +7,12 @@ import asyncio
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
-from ..decode import Cycle, Timing, decode, drafter_setup
+from ..decoding import DecodeSettings, Session, mean_acceptance
 from ..models import Target
-from ..sampling import SamplingParams
-from ..tree import resolve_tree
 
 
 @dataclass
@@ -42,8 +40,7 @@ class Outcome:
 
     @property
     def tau(self) -> float:
-        a = self.acceptance_lengths
-        return sum(a) / len(a) if a else 0.0
+        return mean_acceptance(self.acceptance_lengths)
 
 
 class Aborted(Exception):
@@ -131,26 +128,19 @@ class TextTracker:
 
 
 class Engine:
-    """A loaded target + drafter and the settings every request shares (block size, DLoop, prompt lookup, tree)."""
+    """A loaded target + drafter and the settings every request shares (block size, DLoop, prompt lookup, tree);
+    each request brings its own length, sampling settings and seed."""
 
-    def __init__(self, target: Target, drafter: torch.nn.Module | None, block_size: int | None = None,
-                 loop_stages: int = 1, loop_gate: float = -0.75, lookup: bool = True, tree: int | None = None):
-        self.target, self.drafter = target, drafter
-        default = drafter.config.block_size if drafter is not None else 1
-        self.block_size = block_size if block_size is not None else default
-        self.loop_stages, self.loop_gate, self.lookup = loop_stages, loop_gate, lookup
-        self.tree = resolve_tree(tree, loop_stages)  # None: generate_ids' default, so outputs and cycles match
+    def __init__(self, target: Target, drafter: torch.nn.Module | None, settings: DecodeSettings = DecodeSettings()):
+        self.target, self.drafter, self.settings = target, drafter, settings.validate()
+        self.block_size = settings.resolve(drafter.config.block_size if drafter is not None else None).block_size
         self.stop_ids = target.stop_token_ids()
 
-    def cycles(self, req: GenRequest, timing: Timing) -> Iterator[Cycle]:
-        """The decode cycles for req, set up exactly as flashdraft.generate_ids does (so outputs are identical)."""
-        model, drafter = self.target.model, self.drafter
-        params = SamplingParams(req.temperature, req.top_k, req.top_p)
-        layer_ids, propose, propose_tree = drafter_setup(model, drafter, self.block_size, params, req.seed,
-                                                         self.loop_stages, self.loop_gate, self.tree)
-        return decode(model, req.prompt_ids, block_size=self.block_size, max_new_tokens=req.max_tokens,
-                      params=params, layer_ids=layer_ids, propose=propose, seed=req.seed,
-                      stop_token_ids=self.stop_ids, timing=timing, lookup=self.lookup, propose_tree=propose_tree)
+    def session(self, req: GenRequest) -> Session:
+        """The decoding session for req: the same setup as flashdraft.generate_ids (so outputs are identical)."""
+        settings = self.settings.updated(max_new_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k,
+                                         top_p=req.top_p, seed=req.seed, stop_token_ids=self.stop_ids)
+        return Session(self.target.model, self.drafter, req.prompt_ids, settings)
 
     def run(self, job: Job) -> None:
         """Worker thread: generate job.request, emitting text deltas per accepted block, then one final event."""
@@ -162,34 +152,27 @@ class Engine:
             job.emit("error", f"{type(e).__name__}: {e}")
 
     def _generate(self, job: Job) -> Outcome:
-        req, timing = job.request, Timing()
+        req = job.request
         queue_s = time.monotonic() - job.admitted
         self._check(job)
         tracker = TextTracker(self.target.decode, req.stops)
-        lengths: list[int] = []
         t0 = time.perf_counter()
-        cycles = self.cycles(req, timing)
-        try:
-            for cycle in cycles:
-                if cycle.block:
-                    lengths.append(cycle.accepted + 1)
-                delta = tracker.add(cycle.emitted)
-                if delta and job.stream:
-                    job.emit("delta", delta)
-                if tracker.stopped:
-                    break
-                self._check(job)
-        finally:
-            cycles.close()  # frees the KV caches here, in this thread, even when the job was aborted
+        session = self.session(req)  # its KV caches are freed here, in this thread, when it goes out of scope
+        for cycle in session:
+            delta = tracker.add(cycle.emitted)
+            if delta and job.stream:
+                job.emit("delta", delta)
+            if tracker.stopped:
+                break
+            self._check(job)
         rest = tracker.finish()
         if rest and job.stream:
             job.emit("delta", rest)
-        timing.total_s = time.perf_counter() - t0
-        timing.other_s = max(0.0, timing.total_s - timing.prefill_s - timing.draft_s - timing.verify_s)
+        timing = session.finish().timing
         ids = tracker.ids
-        timing.tokens_per_s = len(ids) / timing.total_s if timing.total_s > 0 else 0.0
+        timing.close(time.perf_counter() - t0, len(ids))
         stopped = tracker.stopped or (bool(ids) and ids[-1] in self.stop_ids)
-        return Outcome(ids, tracker.text, "stop" if stopped else "length", lengths,
+        return Outcome(ids, tracker.text, "stop" if stopped else "length", [c.accepted + 1 for c in session.cycles],
                        {**asdict(timing), "queue_s": queue_s})
 
     @staticmethod

@@ -582,7 +582,7 @@ def dev_setup(cfg: TrainConfig, target, is_main: bool, say) -> dict | None:
 @torch.no_grad()
 def dev_tau(drafter: nn.Module, dev: dict, max_new_tokens: int) -> tuple[float, int]:
     """Pooled τ of real greedy speculative decoding over the dev prompts: (τ, cycles)."""
-    from ..decode import generate_ids
+    from ..decoding import generate_ids
 
     target = dev["target"]
     lengths: list[int] = []

@@ -1,0 +1,212 @@
+"""Proposers: what a cycle asks the target to verify. Each has one `propose(state, start, b) -> Proposal`.
+
+- ChainProposer: one drafter pass, b-1 drafts (plain DFlash; DFlash 2's candidate-path walk sits in the drafter).
+- TreeProposer: one drafter pass, then the `budget` likeliest nodes of its continuations (tree.py), at most b-1 deep.
+- LoopProposer (DLoop): run the drafter for several stages per cycle while it is confident. Stage s runs the same
+  drafter on an extended block at positions start .. start + s·(b−1): the anchor and all drafts of stages 1..s−1 as
+  inputs (the target's embeddings of those tokens, exactly as the anchor is fed), followed by b−1 mask tokens. The
+  drafter attends to its cached context (committed target features) and the whole extended block, so later stages
+  condition on the unverified prefix: no new weights, the checkpoint format is unchanged; stage 1 is plain DFlash.
+  After stage s the gate statistic Σ_k log q_k(d_k) over that stage's drafts decides: another stage runs only if
+  s < S, the statistic > gate, and the longer block still ends before the generation's end.
+- LookupProposer: where the context's last n-gram recurs, the tokens that followed it (lookup.py) instead of — or,
+  for a tree at temperature 0 (lookup="tree"), beside — what the proposer it wraps would draft.
+
+`make_proposer` builds the right one from the drafter and the settings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+from transformers import PreTrainedModel
+
+from .. import target as T
+from ..drafter import ContextCache, DFlashDrafter, draft_hidden, proposal_logits
+from ..lookup import LOOKUP_BLOCK, lookup_drafts, one_hot_q
+from ..sampling import SamplingParams
+from ..tree import TREE_WIDTH, best_first_tree, graft_chain, node_depths
+from .settings import DecodeSettings
+from .state import DecodeState
+
+
+@dataclass
+class Proposal:
+    """Drafts for one cycle: a chain, or a tree's nodes when `parents` is set."""
+
+    drafts: torch.Tensor  # [k] token ids
+    q: torch.Tensor | None = None  # [k, V]: what each chain draft was drawn from (None at T = 0)
+    parents: list[int] | None = None  # tree: each node's parent among the drafts, -1 the anchor
+    stages: int = 0  # drafting stages of b-1 drafts behind it (0: none, e.g. a lookup draft)
+    lookup: bool = False  # prompt lookup supplied the drafts (or one path of the tree)
+
+    @property
+    def depth(self) -> int:
+        """How far past the anchor the drafts reach."""
+        return len(self.drafts) if self.parents is None else max(node_depths(self.parents), default=0)
+
+
+class Proposer(Protocol):
+    def propose(self, state: DecodeState, start: int, b: int) -> Proposal: ...
+
+
+def no_drafts(device: torch.device) -> Proposal:
+    """A one-token block: the anchor alone (plain decoding)."""
+    return Proposal(torch.zeros(0, dtype=torch.long, device=device))
+
+
+# ---------------------------------------------------------------- the drafter
+
+class DrafterPass:
+    """pass(cache, new_features, inputs, start, n): one drafter pass over [inputs..., M x n] at positions start..
+    → (final hidden states [len(inputs) + n, H], proposal logits [n, V] of the last n block positions)."""
+
+    def __init__(self, model: PreTrainedModel, drafter: DFlashDrafter):
+        self.drafter, self.embed, self.head = drafter, T.embed(model), T.lm_head(model)
+        self.mask_id, self.device = drafter.config.mask_token_id, model.device
+        self.dtype = next(drafter.parameters()).dtype
+
+    def __call__(self, cache: ContextCache, new_features: torch.Tensor, inputs: list[int], start: int,
+                 n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        block = torch.tensor(inputs + [self.mask_id] * n, device=self.device)
+        hidden = draft_hidden(self.drafter, cache, new_features, self.embed(block)[None].to(self.dtype), start)
+        return hidden, proposal_logits(self.drafter, hidden, self.head, n)
+
+    def stage(self, cache: ContextCache, new_features: torch.Tensor, inputs: list[int], start: int, n: int,
+              params: SamplingParams, gen: torch.Generator | None):
+        """n drafts after `inputs` → (drafts [n], q [n, V] or None, raw logits [n, V])."""
+        hidden, logits = self(cache, new_features, inputs, start, n)
+        drafts, q = self.drafter.choose_drafts(hidden[-n:], logits, inputs[-1], params, gen)
+        return drafts, q, logits
+
+
+class ChainProposer:
+    """Draft b-1 tokens in one drafter pass: argmax at T=0, else sampled from the processed q (DFlash 2: path walk)."""
+
+    def __init__(self, model: PreTrainedModel, drafter: DFlashDrafter, params: SamplingParams,
+                 gen: torch.Generator | None):
+        self.run, self.params, self.gen = DrafterPass(model, drafter), params, gen
+
+    def propose(self, state: DecodeState, start: int, b: int) -> Proposal:
+        drafts, q, _ = self.run.stage(state.draft_cache, state.take_pending()[None], [state.tokens[-1]], start, b - 1,
+                                      self.params, self.gen)
+        return Proposal(drafts, q, stages=1)
+
+
+class TreeProposer:
+    """One drafter pass, then the `budget` likeliest nodes of its continuations (tree.py), at most b-1 deep."""
+
+    def __init__(self, model: PreTrainedModel, drafter: DFlashDrafter, budget: int, width: int = TREE_WIDTH):
+        self.run, self.drafter, self.budget, self.width = DrafterPass(model, drafter), drafter, budget, width
+
+    def propose(self, state: DecodeState, start: int, b: int) -> Proposal:
+        anchor = state.tokens[-1]
+        hidden, logits = self.run(state.draft_cache, state.take_pending()[None], [anchor], start, b - 1)
+        children = self.drafter.tree_children(hidden[-(b - 1):], logits, self.width)
+        tokens, parents = best_first_tree(children, anchor, b - 1, self.budget)
+        return Proposal(torch.tensor(tokens, dtype=torch.long, device=logits.device), parents=parents, stages=1)
+
+
+def stage_confidence(drafts: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor) -> float:
+    """Σ_k log q_k(d_k): q is the proposal the drafts were sampled from, or softmax(raw logits) at temperature 0."""
+    k = torch.arange(drafts.shape[0], device=drafts.device)
+    logq = q[k, drafts].log() if q is not None else torch.log_softmax(logits.float(), -1)[k, drafts]
+    return float(logq.sum())
+
+
+def fits(start: int, stages: int, n: int, end: int) -> bool:
+    """Whether anchor + stages·n drafts at positions start.. stay before `end` (the generation's verify limit)."""
+    return start + 1 + stages * n <= end
+
+
+class LoopProposer:
+    """DLoop: up to `stages` drafting stages of b-1 tokens per cycle, each continuing from the drafts before it."""
+
+    def __init__(self, model: PreTrainedModel, drafter: DFlashDrafter, params: SamplingParams,
+                 gen: torch.Generator | None, stages: int, gate: float):
+        DecodeSettings(loop_stages=stages, loop_gate=gate).validate()
+        self.run, self.params, self.gen = DrafterPass(model, drafter), params, gen
+        self.stages, self.gate = stages, gate
+
+    def propose(self, state: DecodeState, start: int, b: int) -> Proposal:
+        n = b - 1
+        feats = state.take_pending()[None]  # committed features enter the drafter's cache once, in stage 1
+        inputs, drafts, qs = [state.tokens[-1]], [], []
+        for s in range(1, self.stages + 1):
+            d, q, logits = self.run.stage(state.draft_cache, feats if s == 1 else feats[:, :0], inputs, start, n,
+                                          self.params, self.gen)
+            drafts.append(d)
+            qs.append(q)
+            # Lossless at T > 0: whether stage s+1 exists depends only on tokens already drafted (a stopping time
+            # of the draft sequence), never on the target, and each draft keeps the q it was sampled from given
+            # its prefix; verification of any position is therefore unchanged by how many positions follow it.
+            if s == self.stages or not fits(start, s + 1, n, state.end) or not stage_confidence(d, q, logits) > self.gate:
+                break
+            inputs += d.tolist()
+        return Proposal(torch.cat(drafts), None if qs[0] is None else torch.cat(qs), stages=len(drafts))
+
+
+# ---------------------------------------------------------------- prompt lookup and custom proposers
+
+class LookupProposer:
+    """The tokens that followed the last recurring n-gram where there are some, else (or with graft, beside it in
+    the tree) what `inner` proposes. A lookup draft is deterministic: at T > 0 its q is one-hot."""
+
+    def __init__(self, inner: Proposer, graft: bool, greedy: bool, vocab: int, device: torch.device):
+        self.inner, self.graft, self.greedy, self.vocab, self.device = inner, graft, greedy, vocab, device
+
+    def propose(self, state: DecodeState, start: int, b: int) -> Proposal:
+        k = min(max(b, LOOKUP_BLOCK), state.end - start) - 1  # a lookup draft may run past a small drafter block
+        look = lookup_drafts(state.tokens, k)
+        if not look:
+            return self.inner.propose(state, start, b)
+        if self.graft:  # the lookup draft becomes one more root path of the drafter's tree
+            tree = self.inner.propose(state, start, b)
+            nodes, parents = graft_chain(tree.drafts.tolist(), tree.parents, look)
+            return Proposal(torch.tensor(nodes, dtype=torch.long, device=tree.drafts.device), parents=parents,
+                            stages=tree.stages, lookup=True)
+        drafts = torch.tensor(look, device=self.device)
+        return Proposal(drafts, None if self.greedy else one_hot_q(drafts, self.vocab), lookup=True)
+
+
+class FunctionProposer:
+    """A plain function fn(state, start, b) → Proposal, or → (drafts [k], q [k, V] or None) for a chain of whole
+    stages of b-1 drafts (tests' oracles, custom drafters)."""
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+    def propose(self, state: DecodeState, start: int, b: int) -> Proposal:
+        out = self.fn(state, start, b)
+        if isinstance(out, Proposal):
+            return out
+        drafts, q = out
+        return Proposal(drafts, q, stages=-(-len(drafts) // (b - 1)))
+
+
+def as_proposer(propose) -> Proposer:
+    """An object with .propose, or a function (see FunctionProposer)."""
+    return propose if hasattr(propose, "propose") else FunctionProposer(propose)
+
+
+def make_proposer(model: PreTrainedModel, drafter: DFlashDrafter | None, settings: DecodeSettings,
+                  gen: torch.Generator | None, trees: bool, custom: Proposer | Callable | None = None) -> Proposer | None:
+    """The proposer a generation uses: `custom`, or the drafter's (tree where `trees`, DLoop, else chain), wrapped in
+    prompt lookup when settings.lookup; None when decoding plainly (block size 1 or no drafter)."""
+    params = settings.sampling
+    if custom is not None:
+        inner = as_proposer(custom)
+    elif drafter is None or settings.block_size <= 1:
+        return None
+    elif trees:
+        inner = TreeProposer(model, drafter, settings.tree)
+    elif settings.loop_stages > 1:
+        inner = LoopProposer(model, drafter, params, gen, settings.loop_stages, settings.loop_gate)
+    else:
+        inner = ChainProposer(model, drafter, params, gen)
+    if not settings.lookup or settings.block_size <= 1:
+        return inner
+    return LookupProposer(inner, graft=settings.lookup == "tree" and trees, greedy=params.greedy,
+                          vocab=T.vocab_size(model), device=model.device)
