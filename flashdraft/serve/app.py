@@ -94,7 +94,6 @@ class JobStream(StreamingResponse):
 
 def create_app(scheduler: Scheduler, served: Served) -> FastAPI:
     """The OpenAI-compatible app around one scheduler (one model)."""
-    engine, limits = scheduler.engine, scheduler.limits
     started = now()
 
     @contextlib.asynccontextmanager
@@ -104,6 +103,14 @@ def create_app(scheduler: Scheduler, served: Served) -> FastAPI:
         await scheduler.stop()
 
     app = FastAPI(title="flashdraft", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    add_error_handlers(app, scheduler)
+    add_info_routes(app, scheduler, served, started)
+    add_completion_routes(app, scheduler, served)
+    return app
+
+
+def add_error_handlers(app: FastAPI, scheduler: Scheduler) -> None:
+    """Every error leaves as an OpenAI-shaped JSON body; a crash is logged and counted, never leaked."""
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
@@ -118,6 +125,10 @@ def create_app(scheduler: Scheduler, served: Served) -> FastAPI:
         traceback.print_exception(e, file=sys.stderr)
         scheduler.metrics.record("error")
         return JSONResponse(ApiError(500, "internal server error", "server_error").body(), 500)
+
+
+def add_info_routes(app: FastAPI, scheduler: Scheduler, served: Served, started: int) -> None:
+    """/health, /metrics and /v1/models."""
 
     @app.get("/health")
     async def health():
@@ -143,6 +154,11 @@ def create_app(scheduler: Scheduler, served: Served) -> FastAPI:
         if mid not in served.ids:
             raise ApiError(404, f"the model {mid!r} does not exist", param="model", code="model_not_found")
         return model_card(mid)
+
+
+def add_completion_routes(app: FastAPI, scheduler: Scheduler, served: Served) -> None:
+    """/v1/chat/completions and /v1/completions, streaming or not."""
+    engine, limits = scheduler.engine, scheduler.limits
 
     async def admit(request: Request, kind: str) -> tuple[Parsed, Job]:
         try:
@@ -201,8 +217,6 @@ def create_app(scheduler: Scheduler, served: Served) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await handle(request, "text")
-
-    return app
 
 
 class GracefulServer(uvicorn.Server):
