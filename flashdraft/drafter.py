@@ -210,7 +210,7 @@ class DFlashDrafter(nn.Module):
         from (None at temperature 0): DFlash 2 walks its candidate paths from the anchor; DFlash 1 takes each
         position's argmax, or a sample of its processed distribution."""
         if self.candidate_selector is not None:
-            return self.candidate_selector.walk(hidden, logits, anchor, params.temperature, gen)
+            return self.candidate_selector.walk(hidden, logits, anchor, 0.0 if params.greedy else params.temperature, gen)
         if params.greedy:
             return logits.argmax(-1), None
         q = process(logits, params)
@@ -293,3 +293,33 @@ def draft_block(drafter: DFlashDrafter, cache: ContextCache, new_features: torch
     """draft_hidden, then the target's LM head: logits [B-1, V] for block positions 1..B-1."""
     hidden = draft_hidden(drafter, cache, new_features, block_emb, start)
     return proposal_logits(drafter, hidden, lm_head, hidden.shape[0] - 1)
+
+
+def batch_masks(cfg: DrafterConfig, block_pos: torch.Tensor, ctx_lens: list[int]) -> dict[str, torch.Tensor]:
+    """Per layer kind: bool [N, 1, B, n_max + B] for rows whose contexts hold ctx_lens positions (padded to n_max)."""
+    n_max, dev = max(ctx_lens), block_pos.device
+    ctx_pos = torch.arange(n_max, device=dev)[None].expand(block_pos.shape[0], -1)
+    k_pos = torch.cat([ctx_pos, block_pos], 1)
+    real = torch.cat([ctx_pos < torch.tensor(ctx_lens, device=dev)[:, None],
+                      torch.ones_like(block_pos, dtype=torch.bool)], 1)  # [N, n_max + B]: padded context slots out
+    masks = {}
+    for kind in set(cfg.layer_types):
+        causal, window = layer_attention(kind, cfg.is_causal, cfg.sliding_window)
+        masks[kind] = visible_keys(block_pos, k_pos, causal, window) & real[:, None, None, :]
+    return masks
+
+
+def draft_hidden_batch(drafter: DFlashDrafter, caches: list[ContextCache], new_features: list[torch.Tensor],
+                       block_emb: torch.Tensor, starts: list[int]) -> torch.Tensor:
+    """draft_hidden for N sequences at once: each cache takes its new features [1, n_i, F], then one drafter pass over
+    block_emb [N, B, h] at positions starts[i].. against the contexts padded to one length → hidden [N, B, h]."""
+    dev, dtype = block_emb.device, block_emb.dtype
+    for cache, feats, start in zip(caches, new_features, starts):
+        assert cache.length + feats.shape[1] == start, (cache.length, feats.shape[1], start)
+        if feats.shape[1]:
+            cache.extend(drafter.context_kv(feats.to(dtype), torch.arange(cache.length, start, device=dev)[None]))
+    n_max = max(starts)
+    ctx = [tuple(torch.cat([torch.nn.functional.pad(c.kv[layer][j], (0, 0, 0, n_max - c.length)) for c in caches], 0)
+                 for j in range(2)) for layer in range(len(drafter.layers))]
+    block_pos = torch.tensor(starts, device=dev)[:, None] + torch.arange(block_emb.shape[1], device=dev)
+    return drafter(block_emb, block_pos, ctx, batch_masks(drafter.config, block_pos, starts))

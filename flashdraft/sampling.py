@@ -9,6 +9,11 @@ import torch
 from .errors import FlashdraftError
 
 
+# Temperatures below this decode greedily (as vLLM does): logits / T overflows float32 long before T reaches 0
+# (1e-45 gives inf and NaN probabilities), and the distribution is already one-hot up to exact ties there.
+MIN_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0
@@ -25,7 +30,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Argmax decoding: temperature 0, or below MIN_TEMPERATURE."""
+        return self.temperature < MIN_TEMPERATURE
 
 
 def process(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

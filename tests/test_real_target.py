@@ -25,28 +25,41 @@ def smol():
     return target, drafter
 
 
+@pytest.fixture(scope="module")
+def reference():
+    """The oracle: an unmodified transformers model from the same weights (none of flashdraft's packed linears or
+    attention), so flashdraft's kernels are never on both sides of a comparison."""
+    from transformers import AutoModelForCausalLM
+
+    from flashdraft.models import resolve_target
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_target(None), dtype=torch.float32).eval()
+    assert model.config._attn_implementation == "sdpa" and type(model.model.layers[0].mlp.up_proj) is torch.nn.Linear
+    return model
+
+
 @pytest.mark.parametrize("prompt,block_sizes", [(PROMPTS[0], [1, 2, 4, 8, 16]), (PROMPTS[1], [4, 16]),
                                                  (PROMPTS[2], [1, 16])])
-def test_smollm2_greedy_lossless(smol, prompt, block_sizes):
+def test_smollm2_greedy_lossless(smol, reference, prompt, block_sizes):
     target, drafter = smol
     ids = target.encode(prompt)
-    ref = hf_greedy(target.model, ids, 16)
+    ref = hf_greedy(reference, ids, 16)
     for bs in block_sizes:
         res = generate_ids(target.model, drafter, ids, block_size=bs, max_new_tokens=16,
                            stop_token_ids=target.stop_token_ids())
-        assert_greedy_lossless(target.model, ids, res.output_ids, ref)
+        assert_greedy_lossless(reference, ids, res.output_ids, ref)
 
 
-def test_smollm2_stops_at_eos(smol):
+def test_smollm2_stops_at_eos(smol, reference):
     target, drafter = smol
     ids = target.encode("Reply with just the word yes.")
-    ref = target.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=64)[0, len(ids):].tolist()
+    ref = reference.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=64)[0, len(ids):].tolist()
     assert ref[-1] == 2 and len(ref) < 64  # the target itself stops at <|im_end|>
     res = generate_ids(target.model, drafter, ids, block_size=16, max_new_tokens=64, stop_token_ids=[2])
     assert res.output_ids == ref
 
 
-def test_shipped_drafter_is_registered_lossless_and_accepts(smol):
+def test_shipped_drafter_is_registered_lossless_and_accepts(smol, reference):
     """The packaged default drafter: z-lab bf16 files, used by default, lossless, and it actually accepts drafts."""
     from flashdraft.models import load_drafter_for, registered_drafter
 
@@ -59,16 +72,16 @@ def test_shipped_drafter_is_registered_lossless_and_accepts(smol):
     assert drafter.draft_vocab is not None and 2 in drafter.draft_vocab  # proposes EOS among its frequent tokens
     ids = target.encode("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips "
                         "in May. How many clips did Natalia sell altogether in April and May?")
-    ref = hf_greedy(target.model, ids, 64)
+    ref = hf_greedy(reference, ids, 64)
     res = generate_ids(target.model, drafter, ids, max_new_tokens=64, stop_token_ids=target.stop_token_ids())
-    assert_greedy_lossless(target.model, ids, res.output_ids, ref)
+    assert_greedy_lossless(reference, ids, res.output_ids, ref)
     assert res.tau > 1.2, res.tau  # a trained drafter, not a random one (τ ≈ 1)
     looped = generate_ids(target.model, drafter, ids, max_new_tokens=64, stop_token_ids=target.stop_token_ids(),
                           loop_stages=2, loop_gate=-2.0)
-    assert_greedy_lossless(target.model, ids, looped.output_ids, ref)
+    assert_greedy_lossless(reference, ids, looped.output_ids, ref)
 
 
-def test_packed_layers_decode_like_the_plain_torch_target(smol):
+def test_packed_layers_decode_like_the_plain_torch_target(smol, reference):
     """The default CPU path (oneDNN-packed linears) against the same target on torch's own linears."""
     from flashdraft.models import load_drafter_for
     from flashdraft.packed import is_packed
@@ -79,6 +92,8 @@ def test_packed_layers_decode_like_the_plain_torch_target(smol):
     drafter = load_drafter_for(target, None)
     assert is_packed(drafter) and not is_packed(load_drafter_for(plain, None))
     ids = target.encode("Write a Python function that returns the n-th Fibonacci number.")
-    ref = hf_greedy(plain.model, ids, 48)
-    res = generate_ids(target.model, drafter, ids, max_new_tokens=48, stop_token_ids=target.stop_token_ids())
-    assert_greedy_lossless(plain.model, ids, res.output_ids, ref)
+    ref = hf_greedy(reference, ids, 48)
+    for model in (target.model, plain.model):
+        res = generate_ids(model, drafter if model is target.model else load_drafter_for(plain, None), ids,
+                           max_new_tokens=48, stop_token_ids=target.stop_token_ids())
+        assert_greedy_lossless(reference, ids, res.output_ids, ref)

@@ -78,3 +78,21 @@ def test_accept_sampling_identical_p_q_accepts_all():
     for _ in range(50):
         n, _ = accept_sampling(drafts, p[:3], p, gen)
         assert n == 3
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-30, 1e-6])
+def test_tiny_temperatures_decode_greedily(temperature):
+    """logits / 1e-45 is inf: such temperatures are greedy (below MIN_TEMPERATURE), never NaN probabilities."""
+    from flashdraft.decoding import generate_ids
+    from flashdraft.sampling import MIN_TEMPERATURE
+    from helpers import random_drafter, tiny_target
+
+    assert temperature < MIN_TEMPERATURE and SamplingParams(temperature).greedy
+    assert not SamplingParams(MIN_TEMPERATURE).greedy
+    target = tiny_target("llama")
+    prompt = list(range(5, 17))
+    for drafter in (None, random_drafter(target, block_size=4)):
+        greedy = generate_ids(target, drafter, prompt, max_new_tokens=24)
+        tiny = generate_ids(target, drafter, prompt, max_new_tokens=24, temperature=temperature, seed=7)
+        assert tiny.output_ids == greedy.output_ids
+        assert [c.block for c in tiny.cycles] == [c.block for c in greedy.cycles]  # trees and all, as at T = 0

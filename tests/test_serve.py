@@ -150,6 +150,13 @@ def test_completions_equal_generate(client, refs):
     assert ext(resp)["output_ids"] == refs["ids"]["output_ids"] and resp.usage.prompt_tokens == 5
 
 
+def test_tiny_temperature_is_greedy_not_a_500(client, refs):
+    """1e-45 would make logits / T infinite: below MIN_TEMPERATURE a request decodes greedily."""
+    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello there"}],
+                                          max_tokens=40, temperature=1e-45, seed=3)
+    assert ext(resp)["output_ids"] == refs["chat"]["output_ids"]
+
+
 def test_seeded_sampling_equals_generate_and_repeats(client, refs):
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me"}], max_tokens=40, temperature=0.9,
               top_p=0.9, seed=7, extra_body={"top_k": 20})

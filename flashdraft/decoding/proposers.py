@@ -82,6 +82,21 @@ class DrafterPass:
         return drafts, q, logits
 
 
+def chain_from_pass(drafter: DFlashDrafter, hidden: torch.Tensor, logits: torch.Tensor, anchor: int,
+                    params: SamplingParams, gen: torch.Generator | None) -> Proposal:
+    """The drafter's chain from one pass: hidden [n, H] and logits [n, V] of the block's last n positions."""
+    drafts, q = drafter.choose_drafts(hidden, logits, anchor, params, gen)
+    return Proposal(drafts, q, stages=1)
+
+
+def tree_from_pass(drafter: DFlashDrafter, hidden: torch.Tensor, logits: torch.Tensor, anchor: int, budget: int,
+                   width: int = TREE_WIDTH) -> Proposal:
+    """The `budget` likeliest nodes of the continuations one pass offers (tree.py), at most n = len(logits) deep."""
+    children = drafter.tree_children(hidden, logits, width)
+    tokens, parents = best_first_tree(children, anchor, logits.shape[0], budget)
+    return Proposal(torch.tensor(tokens, dtype=torch.long, device=logits.device), parents=parents, stages=1)
+
+
 class ChainProposer:
     """Draft b-1 tokens in one drafter pass: argmax at T=0, else sampled from the processed q (DFlash 2: path walk)."""
 
@@ -104,9 +119,7 @@ class TreeProposer:
     def propose(self, state: DecodeState, start: int, b: int) -> Proposal:
         anchor = state.tokens[-1]
         hidden, logits = self.run(state.draft_cache, state.take_pending()[None], [anchor], start, b - 1)
-        children = self.drafter.tree_children(hidden[-(b - 1):], logits, self.width)
-        tokens, parents = best_first_tree(children, anchor, b - 1, self.budget)
-        return Proposal(torch.tensor(tokens, dtype=torch.long, device=logits.device), parents=parents, stages=1)
+        return tree_from_pass(self.drafter, hidden[-(b - 1):], logits, anchor, self.budget, self.width)
 
 
 def stage_confidence(drafts: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor) -> float:
@@ -150,25 +163,37 @@ class LoopProposer:
 
 # ---------------------------------------------------------------- prompt lookup and custom proposers
 
+def lookup_proposal(state: DecodeState, start: int, b: int, greedy: bool, vocab: int, device: torch.device,
+                    max_drafts: int | None = None) -> Proposal | None:
+    """The tokens that followed the context's last recurring n-gram, or None. Deterministic: at T > 0 q is one-hot."""
+    k = min(max(b, LOOKUP_BLOCK), state.end - start) - 1  # a lookup draft may run past a small drafter block
+    k = k if max_drafts is None else min(k, max_drafts)
+    look = lookup_drafts(state.tokens, k)
+    if not look:
+        return None
+    drafts = torch.tensor(look, device=device)
+    return Proposal(drafts, None if greedy else one_hot_q(drafts, vocab), lookup=True)
+
+
+def graft(tree: Proposal, look: Proposal) -> Proposal:
+    """The drafter's tree with the lookup draft as one more root path (sharing the nodes it already has)."""
+    nodes, parents = graft_chain(tree.drafts.tolist(), tree.parents, look.drafts.tolist())
+    return Proposal(torch.tensor(nodes, dtype=torch.long, device=tree.drafts.device), parents=parents,
+                    stages=tree.stages, lookup=True)
+
+
 class LookupProposer:
-    """The tokens that followed the last recurring n-gram where there are some, else (or with graft, beside it in
-    the tree) what `inner` proposes. A lookup draft is deterministic: at T > 0 its q is one-hot."""
+    """A prompt-lookup draft where the context's last n-gram recurs, else (or with graft, beside it in the tree)
+    what `inner` proposes."""
 
     def __init__(self, inner: Proposer, graft: bool, greedy: bool, vocab: int, device: torch.device):
         self.inner, self.graft, self.greedy, self.vocab, self.device = inner, graft, greedy, vocab, device
 
     def propose(self, state: DecodeState, start: int, b: int) -> Proposal:
-        k = min(max(b, LOOKUP_BLOCK), state.end - start) - 1  # a lookup draft may run past a small drafter block
-        look = lookup_drafts(state.tokens, k)
-        if not look:
+        look = lookup_proposal(state, start, b, self.greedy, self.vocab, self.device)
+        if look is None:
             return self.inner.propose(state, start, b)
-        if self.graft:  # the lookup draft becomes one more root path of the drafter's tree
-            tree = self.inner.propose(state, start, b)
-            nodes, parents = graft_chain(tree.drafts.tolist(), tree.parents, look)
-            return Proposal(torch.tensor(nodes, dtype=torch.long, device=tree.drafts.device), parents=parents,
-                            stages=tree.stages, lookup=True)
-        drafts = torch.tensor(look, device=self.device)
-        return Proposal(drafts, None if self.greedy else one_hot_q(drafts, self.vocab), lookup=True)
+        return graft(self.inner.propose(state, start, b), look) if self.graft else look
 
 
 class FunctionProposer:

@@ -23,7 +23,7 @@ class DecodeSettings:
 
     block_size: int | None = None  # tokens verified per cycle; None: the drafter's block_size (1 without one)
     max_new_tokens: int = 256
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # 0 = greedy (so is anything below sampling.MIN_TEMPERATURE)
     top_k: int = 0  # 0 disables top-k
     top_p: float = 1.0
     seed: int = 0
@@ -43,7 +43,7 @@ class DecodeSettings:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.sampling.greedy
 
     def validate(self) -> DecodeSettings:
         """One-line FlashdraftErrors for settings that cannot work; returns self."""

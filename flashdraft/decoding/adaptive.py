@@ -1,0 +1,131 @@
+"""Load-adaptive speculation (docs/adaptive.md): each cycle, the verify width of each sequence that maximises the
+batch's expected tokens per second, from pass costs measured online and each request's running acceptance.
+
+Costs: a verify of N rows padded to width w costs t_v ≈ a_v + c_v·N·w and a drafter pass over D rows of block B
+costs t_d ≈ a_d + c_d·D·B, both fitted by least squares over recent cycles with exponential forgetting, so they
+follow the machine as it is now (another process taking the cores shows up within a few cycles). Acceptance: each
+request's drafts are kept with a running rate α (drafts kept / drafts kept + first rejections, from a prior), so a
+width-w block yields E(w) = 1 + α + … + α^(w−1) tokens. The policy scans the widths, lets the rows whose expected
+gain does not pay for their drafter share decode plainly, and keeps the best Σ E / (t_v + t_d). Every EXPLORE-th
+cycle it verifies another width instead, so the cost of every width stays measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+HALF_LIFE = 24  # observations: how quickly measured costs forget (contention changes are seen within ~a dozen)
+EXPLORE = 16  # every EXPLORE-th cycle verifies a width other than the best, keeping its cost measured
+PRIOR_KEPT, PRIOR_TRIED = 1.0, 2.0  # α starts at 0.5 and moves with each request's own cycles
+
+
+class CostModel:
+    """t ≈ a + c·x over recent observations (weighted least squares with exponential forgetting)."""
+
+    def __init__(self, half_life: float = HALF_LIFE):
+        self.decay = 0.5 ** (1 / half_life)
+        self.w = self.x = self.y = self.xx = self.xy = 0.0
+
+    def observe(self, x: float, t: float) -> None:
+        d = self.decay
+        self.w, self.x, self.y = d * self.w + 1, d * self.x + x, d * self.y + t
+        self.xx, self.xy = d * self.xx + x * x, d * self.xy + x * t
+
+    @property
+    def seen(self) -> bool:
+        return self.w > 0
+
+    def predict(self, x: float) -> float:
+        """Seconds for work x; proportional until two different amounts of work were seen, never negative."""
+        if not self.seen:
+            return 0.0
+        var = self.w * self.xx - self.x * self.x
+        if var <= 1e-9 * max(self.w * self.xx, 1e-12):
+            return self.y / self.x * x if self.x > 0 else self.y / self.w
+        c = (self.w * self.xy - self.x * self.y) / var
+        a = (self.y - c * self.x) / self.w
+        if c < 0 or a < 0:  # noise: fall back to the cheaper-to-trust one-parameter fits
+            return max(self.y / self.w, 0.0) if c < 0 else self.y / self.x * x
+        return a + c * x
+
+
+@dataclass
+class Acceptance:
+    """A request's running draft acceptance: drafts kept, and cycles that ended in a rejection."""
+
+    kept: float = PRIOR_KEPT
+    rejected: float = PRIOR_TRIED - PRIOR_KEPT
+
+    def observe(self, drafts: int, accepted: int) -> None:
+        if drafts:
+            self.kept += accepted
+            self.rejected += accepted < drafts
+
+    @property
+    def rate(self) -> float:
+        return self.kept / (self.kept + self.rejected)
+
+    def expected_tokens(self, width: int) -> float:
+        """Tokens a cycle emits verifying `width` positions (the anchor and width − 1 drafts)."""
+        a = min(self.rate, 0.999)
+        return (1 - a ** width) / (1 - a)
+
+
+@dataclass
+class Row:
+    """What the policy knows of one sequence this cycle."""
+
+    acceptance: Acceptance
+    max_width: int  # its own block (or tree rows), capped by the tokens it is still owed
+
+
+def plan(rows: list[Row], widths: list[int], verify: CostModel, draft: CostModel,
+         draft_block: int) -> tuple[float, list[int]]:
+    """(expected tokens per second, each row's width) of the best plan over the candidate batch widths."""
+    best = (-1.0, [1] * len(rows))
+    for w in widths:
+        own = [min(w, r.max_width) for r in rows]
+        gain = [r.acceptance.expected_tokens(k) - 1 for r, k in zip(rows, own)]
+        spec = sorted((i for i, k in enumerate(own) if k > 1), key=lambda i: gain[i])
+        while True:  # rows drop out of speculation, least useful first, while that speeds the batch up
+            width = max((own[i] for i in spec), default=1)
+            cost = verify.predict(len(rows) * width) + (draft.predict(len(spec) * draft_block) if spec else 0.0)
+            rate = (len(rows) + sum(gain[i] for i in spec)) / max(cost, 1e-9)
+            if rate > best[0]:
+                best = (rate, [own[i] if i in spec else 1 for i in range(len(rows))])
+            if not spec:
+                break
+            spec.pop(0)
+    return best
+
+
+class AdaptivePolicy:
+    """Chooses each cycle's widths; told each cycle's measured costs."""
+
+    def __init__(self, max_width: int, draft_block: int):
+        self.widths = sorted({1, 2, 3, 4, 6, 8, 12, 16, max_width} & set(range(1, max_width + 1)))
+        self.draft_block, self.verify, self.draft, self.cycle = draft_block, CostModel(), CostModel(), 0
+
+    def choose(self, rows: list[Row]) -> list[int]:
+        self.cycle += 1
+        if not self.verify.seen or not self.draft.seen:  # measure a speculative cycle first, then a plain one
+            return [r.max_width for r in rows] if not self.draft.seen else [1] * len(rows)
+        widths = self.widths
+        if self.cycle % EXPLORE == 0:  # one other width, in turn, keeps every width's cost measured
+            widths = [widths[(self.cycle // EXPLORE) % len(widths)]]
+        return plan(rows, widths, self.verify, self.draft, self.draft_block)[1]
+
+    def observe(self, rows: int, width: int, verify_s: float, drafting_rows: int, draft_s: float) -> None:
+        self.verify.observe(rows * width, verify_s)
+        if drafting_rows:
+            self.draft.observe(drafting_rows * self.draft_block, draft_s)
+
+
+class FixedPolicy:
+    """--fixed-block: every row verifies its own block (the pre-adaptive behaviour)."""
+
+    def choose(self, rows: list[Row]) -> list[int]:
+        return [r.max_width for r in rows]
+
+    def observe(self, *args) -> None:
+        pass

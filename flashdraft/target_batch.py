@@ -1,0 +1,152 @@
+"""The target over a batch of sequences of different lengths: a ragged K/V cache and one padded verify forward.
+
+Row i of the cache holds lens[i] committed positions. A verify forward takes one block per row (an anchor and its
+drafts: a chain, or a tree), pads the blocks to one width T, writes each row's new K/V at its own end
+(lens[i] .. lens[i] + T) and runs every row at its own positions under its own mask: the committed context of that row
+and, inside the block, what the row's chain or tree lets each draft see. Padded query rows see only themselves and
+are thrown away; their K/V lie past the row's end and are overwritten by the next forward. Committing a row moves
+its end (and, for a tree, first gathers the kept rows to be contiguous), exactly as target.keep_rows does for one
+sequence, so each row's cache always equals what decoding that sequence alone would hold.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+
+from . import target as T
+from .tree import node_depths
+
+
+class RaggedLayer(DynamicLayer):
+    """One layer's K/V [rows, heads, capacity, head_dim]; new positions land at each row's own end (cache.lens)."""
+
+    def __init__(self, cache: BatchCache):
+        super().__init__()
+        self.cache = cache
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device, self.is_initialized = key_states.device, True
+        self.keys = key_states.new_zeros(*key_states.shape[:2], 0, key_states.shape[-1])
+        self.values = value_states.new_zeros(*value_states.shape[:2], 0, value_states.shape[-1])
+
+    def ensure(self, capacity: int) -> None:
+        """Room for `capacity` positions per row (doubling, so growth is amortised)."""
+        if self.keys.shape[-2] >= capacity:
+            return
+        cap = max(256, capacity, 2 * self.keys.shape[-2])
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            buf = old.new_zeros(old.shape[0], old.shape[1], cap, old.shape[-1])
+            buf[:, :, : old.shape[-2]] = old
+            setattr(self, name, buf)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n, t = key_states.shape[0], key_states.shape[-2]
+        lens = self.cache.lens
+        self.ensure(int(lens.max()) + t)
+        pos = lens[:, None] + torch.arange(t, device=lens.device)  # [n, t]: each row's new positions
+        rows = torch.arange(n, device=lens.device)[:, None]
+        self.keys[rows, :, pos] = key_states.transpose(1, 2)  # indexing puts [n, t] first: [n, t, heads, dim]
+        self.values[rows, :, pos] = value_states.transpose(1, 2)
+        width = self.cache.width
+        return self.keys[:, :, :width], self.values[:, :, :width]
+
+    def get_seq_length(self) -> int:
+        return int(self.cache.lens.max()) if len(self.cache.lens) else 0
+
+
+class BatchCache(DynamicCache):
+    """The K/V of several sequences; lens[i] positions of row i are committed."""
+
+    def __init__(self, model: PreTrainedModel):
+        super().__init__(config=model.config)
+        self.layers = [RaggedLayer(self) for _ in range(T.num_layers(model))]
+        self.lens = torch.zeros(0, dtype=torch.long, device=model.device)
+        self.width = 0  # keys each verify attends to: max(lens) + the block width
+
+    @property
+    def rows(self) -> int:
+        return len(self.lens)
+
+    def add_row(self, single: DynamicCache) -> int:
+        """Append a sequence prefilled alone (a target.new_cache); returns its row."""
+        n = single.get_seq_length()
+        for layer, one in zip(self.layers, single.layers):
+            k, v = one.keys[..., :n, :], one.values[..., :n, :]
+            if not layer.is_initialized:
+                layer.lazy_initialization(k[:0], v[:0])
+            layer.ensure(n)
+            pad = layer.keys.shape[-2] - n
+            layer.keys = torch.cat([layer.keys, torch.nn.functional.pad(k, (0, 0, 0, pad))], 0)
+            layer.values = torch.cat([layer.values, torch.nn.functional.pad(v, (0, 0, 0, pad))], 0)
+        self.lens = torch.cat([self.lens, self.lens.new_tensor([n])])
+        return self.rows - 1
+
+    def remove_rows(self, rows: list[int]) -> None:
+        """Drop these rows; the others keep their order."""
+        keep = torch.tensor([i for i in range(self.rows) if i not in set(rows)], dtype=torch.long,
+                            device=self.lens.device)
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.keys, layer.values = layer.keys[keep], layer.values[keep]
+        self.lens = self.lens[keep]
+
+    def keep(self, row: int, start: int, kept: list[int]) -> None:
+        """Row `row` verified a block at `start`: keep its rows `kept` (relative, increasing) as start.. and drop the
+        rest (target.keep_rows for one row of the batch)."""
+        if kept != list(range(len(kept))):
+            idx = torch.tensor(kept, device=self.lens.device) + start
+            for layer in self.layers:
+                for buf in (layer.keys, layer.values):
+                    buf[row, :, start:start + len(kept)] = buf[row, :, idx]  # the gather copies first
+        self.lens[row] = start + len(kept)
+
+
+def block_visibility(parents: list[int] | None, n: int) -> torch.Tensor:
+    """[n, n] bool: which of a block's rows each row sees (a chain: causal; a tree: itself and its ancestors)."""
+    if parents is None:
+        return torch.ones(n, n, dtype=torch.bool).tril()
+    return T.ancestors(parents)
+
+
+def batch_inputs(blocks: list[list[int]], parents: list[list[int] | None], lens: list[int], dtype: torch.dtype,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Padded ids [N, W], positions [N, W] and the additive mask [N, 1, W, max(lens) + W] of a batched verify."""
+    n, w = len(blocks), max(len(b) for b in blocks)
+    width = max(lens) + w
+    ids = torch.zeros(n, w, dtype=torch.long)
+    pos = torch.zeros(n, w, dtype=torch.long)
+    see = torch.zeros(n, w, width, dtype=torch.bool)
+    for i, (block, par, start) in enumerate(zip(blocks, parents, lens)):
+        k = len(block)
+        ids[i, :k] = torch.tensor(block)
+        depth = torch.tensor([0] + node_depths(par)) if par is not None else torch.arange(k)
+        pos[i] = start + torch.cat([depth, torch.arange(k, w)])  # padding continues past the block, unseen
+        see[i, :k, :start] = True
+        see[i, :k, start:start + k] = block_visibility(par, k)
+        see[i, torch.arange(k, w), start + torch.arange(k, w)] = True  # padding sees itself only: no empty rows
+    mask = torch.zeros(see.shape, dtype=dtype).masked_fill(~see, torch.finfo(dtype).min)
+    return ids.to(device), pos.to(device), mask[:, None].to(device)
+
+
+def forward_batch(model: PreTrainedModel, blocks: list[list[int]], parents: list[list[int] | None],
+                  cache: BatchCache, layer_ids: list[int]) -> list[T.TargetOutput]:
+    """One target forward verifying blocks[i] (anchor + drafts) on top of cache row i → per row: logits [k_i, V]
+    (float32) and features [k_i, F] of its real (unpadded) positions."""
+    lens = cache.lens.tolist()
+    ids, pos, mask = batch_inputs(blocks, parents, lens, model.dtype, model.device)
+    cache.width = mask.shape[-1]
+    out = model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
+                output_hidden_states=bool(layer_ids), **{T.cache_kwarg(model): cache})
+    feats = torch.cat([out.hidden_states[i + 1] for i in layer_ids], -1) if layer_ids else None
+    return [T.TargetOutput(out.logits[i, :len(b)].float(), feats[i, :len(b)] if feats is not None else ids.new_zeros(0))
+            for i, b in enumerate(blocks)]
+
+
+def supports_batch(model: PreTrainedModel) -> bool:
+    """Whether the target can decode batched: every layer full attention (a ragged cache cannot slide a window)."""
+    return T.supports_tree(T.new_cache(model))
