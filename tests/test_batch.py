@@ -1,0 +1,222 @@
+"""Batched decoding (decoding/batch.py): every sequence's output equals its own single-sequence decoding, whatever
+the batch does around it (ragged acceptance, joins and leaves, mixed settings, the adaptive policy)."""
+
+import pytest
+import torch
+from helpers import hf_greedy, random_drafter, tiny_target
+from lossless import assert_greedy_lossless
+from test_sampling_lossless import ALPHA, NEW, PROMPT, chi2_pvalue, exact_distribution
+
+import flashdraft.decoding.batch as batch_mod
+from flashdraft.decoding import DecodeSettings, Proposal, generate_ids
+from flashdraft.decoding.adaptive import Acceptance, AdaptivePolicy, CostModel, Row, plan
+from flashdraft.decoding.batch import BatchDecoder, generate_batch
+from flashdraft.dflash2 import upgrade_to_dflash2
+from flashdraft.errors import FlashdraftError
+from flashdraft.sampling import SamplingParams
+
+
+def prompts(n: int, vocab: int = 90) -> list[list[int]]:
+    """Prompts of different lengths, each repeating its start (so prompt lookup finds something)."""
+    out = []
+    for i in range(n):
+        p = torch.randint(0, vocab, (4 + 6 * i,), generator=torch.Generator().manual_seed(i)).tolist()
+        out.append(p + p[:4])
+    return out
+
+
+def blocks(result) -> list:
+    return [(c.block, c.accepted, c.parents, c.lookup, c.stages) for c in result.cycles]
+
+
+def dflash2(target):
+    d2 = upgrade_to_dflash2(random_drafter(target, block_size=8), conv_group_size=16, selector_rank=8,
+                            selector_top_k=4)
+    with torch.no_grad():
+        d2.candidate_selector.hidden_projection.weight.normal_(0, 0.2)  # a live pair term
+    return d2
+
+
+SETTINGS = [dict(), dict(tree=0, lookup=False), dict(lookup="tree"), dict(block_size=1),
+            dict(loop_stages=3, loop_gate=-1e9, tree=0), dict(block_size=3, tree=0)]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+def test_fixed_policy_batches_cycle_for_cycle_like_one_sequence(kind, arch):
+    """With the fixed policy a batched sequence verifies exactly the blocks it would alone: same drafts, same trees,
+    same lookups, same DLoop stages; continuous batching (3 at a time, 5 prompts) joins and leaves mid-run."""
+    target = tiny_target(kind)
+    drafter = random_drafter(target, block_size=8) if arch == "dflash" else dflash2(target)
+    ps = prompts(5)
+    for kw in SETTINGS:
+        res = generate_batch(target, drafter, ps, max_new_tokens=40, adaptive=False, max_batch=3, **kw)
+        for p, r in zip(ps, res):
+            alone = generate_ids(target, drafter, p, max_new_tokens=40, **kw)
+            assert r.output_ids == alone.output_ids, kw
+            assert blocks(r) == blocks(alone), kw
+
+
+def oracle_pass(refs: dict[tuple, list[int]], error_rate: float, seed: int):
+    """Stands in for BatchDecoder.drafter_pass: each row drafts its known greedy continuation, corrupted at random,
+    so rows accept different lengths in the same cycle (ragged acceptance)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def drafter_pass(self, rows, b, widths):
+        out = []
+        for q in rows:
+            q.state.take_pending()
+            ref = refs[tuple(q.state.tokens[:q.state.num_prompt_tokens])]
+            done = len(q.state.tokens) - q.state.num_prompt_tokens
+            want = (ref[done:done + b - 1] + [0] * b)[: b - 1]
+            drafts = torch.tensor(want)
+            flip = torch.rand(b - 1, generator=gen) < error_rate
+            drafts[flip] = (drafts[flip] + 1 + torch.randint(80, (int(flip.sum()),), generator=gen)) % 90
+            out.append(Proposal(drafts, None, stages=1))
+        return out
+
+    return drafter_pass
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+@pytest.mark.parametrize("error_rate", [0.0, 0.3, 0.7])
+def test_ragged_acceptance_is_lossless(monkeypatch, adaptive, error_rate):
+    target = tiny_target("llama")
+    drafter = random_drafter(target, block_size=6)
+    ps = prompts(6)
+    refs = {tuple(p): hf_greedy(target, p, 48) for p in ps}
+    monkeypatch.setattr(BatchDecoder, "drafter_pass", oracle_pass(refs, error_rate, seed=3))
+    res = generate_batch(target, drafter, ps, max_new_tokens=48, adaptive=adaptive, tree=0, lookup=False)
+    for p, r in zip(ps, res):
+        assert_greedy_lossless(target, p, r.output_ids, refs[tuple(p)])
+    accepted = [c.accepted for r in res for c in r.cycles if len(c.block) > 1]
+    if not adaptive:
+        assert len(set(accepted)) > 1 or error_rate == 0.0  # rows kept different prefixes
+    if error_rate == 0.0:
+        assert max(r.tau for r in res) > 3  # the oracle is always right: long accepts
+
+
+def test_joins_leaves_and_mixed_settings():
+    """Sequences join between cycles with their own settings (block, stops, length, tree, sampling) and one leaves
+    mid-run; each finished one equals its own decoding alone, the one that left holds a prefix of it."""
+    target = tiny_target("qwen3")
+    drafter = random_drafter(target, block_size=8)
+    ps = prompts(5)
+    alone = [generate_ids(target, drafter, ps[0], max_new_tokens=30),
+             generate_ids(target, drafter, ps[1], max_new_tokens=12, block_size=2, tree=0),
+             generate_ids(target, drafter, ps[2], max_new_tokens=40, temperature=0.9, top_k=20, seed=5),
+             generate_ids(target, drafter, ps[3], max_new_tokens=40, stop_token_ids=[ps[3][-1]], lookup="tree"),
+             generate_ids(target, drafter, ps[4], max_new_tokens=40)]
+    dec = BatchDecoder(target, drafter, adaptive=False)
+    a, _ = dec.join(ps[0], max_new_tokens=30)
+    b, _ = dec.join(ps[1], max_new_tokens=12, block_size=2, tree=0)
+    for _ in range(3):
+        dec.step()
+    c, _ = dec.join(ps[2], max_new_tokens=40, temperature=0.9, top_k=20, seed=5)
+    d, _ = dec.join(ps[3], max_new_tokens=40, stop_token_ids=[ps[3][-1]], lookup="tree")
+    e, _ = dec.join(ps[4], max_new_tokens=40)
+    dec.step()
+    dec.leave(e)  # a cancelled request: its row goes, the others carry on
+    assert e not in dec.active and len(dec.active) == 4
+    while dec.active:
+        dec.step()
+    for seq, ref in zip((a, b, c, d), alone):
+        assert seq.output == ref.output_ids
+        assert blocks(dec.result(seq)) == blocks(ref)
+    assert e.output == alone[4].output_ids[: len(e.output)] and 0 < len(e.output) < 40
+    assert dec.cache.rows == 0
+
+
+def test_adaptive_outputs_equal_the_target_and_record_says_so():
+    target = tiny_target("llama")
+    drafter = random_drafter(target, block_size=8)
+    ps = prompts(4)
+    res = generate_batch(target, drafter, ps, max_new_tokens=32)
+    for p, r in zip(ps, res):
+        assert_greedy_lossless(target, p, r.output_ids, hf_greedy(target, p, 32))
+        assert r.config["adaptive"] is True
+
+
+def test_batched_sampling_matches_target():
+    """Chi-square at batch 8: 1,200 seeded samples of the first NEW tokens, eight sequences per batch."""
+    target = tiny_target("llama", vocab=8, init_std=0.3, seed=3)
+    drafter = random_drafter(target, block_size=3, init_std=0.3, seed=4)
+    params = SamplingParams(1.0)
+    counts = batched_counts(target, drafter, params, 1200)
+    p = chi2_pvalue(counts, exact_distribution(target, params))
+    assert p > ALPHA, f"batched speculative samples do not follow the target distribution (chi2 p={p:.2e})"
+
+
+def test_batched_sampling_test_catches_a_broken_verifier(monkeypatch):
+    """Negative control: a verifier that keeps every draft fails the same test."""
+    def accept_all(p, logits, params, gen):
+        return list(range(len(p.drafts))), int(torch.multinomial(torch.softmax(logits[-1], -1), 1, generator=gen))
+
+    monkeypatch.setattr(batch_mod, "accept", accept_all)
+    target = tiny_target("llama", vocab=8, init_std=0.3, seed=3)
+    drafter = random_drafter(target, block_size=3, init_std=0.3, seed=4)
+    params = SamplingParams(1.0)
+    counts = batched_counts(target, drafter, params, 1200)
+    exact = exact_distribution(target, params)
+    assert any(exact.get(k, 0) == 0 for k in counts) or chi2_pvalue(counts, exact) < ALPHA
+
+
+def batched_counts(target, drafter, params: SamplingParams, n: int) -> dict[tuple, int]:
+    counts: dict[tuple, int] = {}
+    for s0 in range(0, n, 8):
+        settings = [DecodeSettings(max_new_tokens=NEW, temperature=params.temperature, top_k=params.top_k,
+                                   top_p=params.top_p, seed=s, lookup=False) for s in range(s0, s0 + 8)]
+        for r in generate_batch(target, drafter, [PROMPT] * 8, settings, adaptive=False):
+            counts[tuple(r.output_ids)] = counts.get(tuple(r.output_ids), 0) + 1
+    return counts
+
+
+# ---------------------------------------------------------------- the policy
+
+def test_cost_model_fits_a_line_and_forgets():
+    m = CostModel(half_life=4)
+    for x in (1, 4, 8, 1, 4, 8):
+        m.observe(x, 0.010 + 0.002 * x)
+    assert m.predict(16) == pytest.approx(0.042, rel=1e-6)
+    for _ in range(40):  # the machine got twice as slow: the fit follows
+        for x in (1, 8):
+            m.observe(x, 2 * (0.010 + 0.002 * x))
+    assert m.predict(16) == pytest.approx(0.084, rel=1e-3)
+
+
+def test_plan_speculates_when_verify_is_cheap_and_not_when_it_is_not():
+    good = [Row(Acceptance(kept=8, rejected=2), 8) for _ in range(4)]  # α = 0.8
+    flat, linear, draft = CostModel(), CostModel(), CostModel()
+    for x in (4, 32):
+        flat.observe(x, 0.050)  # a verify costs the same at any width (weight-read bound)
+        linear.observe(x, 0.010 * x)  # a verify costs per token (compute bound)
+        draft.observe(x, 0.002)
+    assert max(plan(good, [1, 2, 4, 8], flat, draft, 8)[1]) == 8
+    assert plan(good, [1, 2, 4, 8], linear, draft, 8)[1] == [1, 1, 1, 1]
+    bad = [Row(Acceptance(kept=0.1, rejected=10), 8)] + good[:3]  # one request the drafter cannot help
+    assert plan(bad, [1, 2, 4, 8], flat, draft, 8)[1][0] == 1
+
+
+def test_adaptive_policy_measures_both_widths_first():
+    pol = AdaptivePolicy(8, 8)
+    rows = [Row(Acceptance(), 8), Row(Acceptance(), 3)]
+    assert pol.choose(rows) == [8, 3]
+    pol.observe(2, 8, 0.05, 2, 0.01)
+    assert pol.choose(rows) == [1, 1]
+
+
+def test_batch_needs_full_attention():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
+    with pytest.raises(FlashdraftError, match="full attention"):
+        BatchDecoder(MistralForCausalLM(cfg).eval(), None)
+
+
+def test_bad_batch_arguments():
+    target = tiny_target("llama")
+    with pytest.raises(FlashdraftError, match="max_batch"):
+        generate_batch(target, None, [[1, 2]], max_batch=0)
+    with pytest.raises(FlashdraftError, match="settings for"):
+        generate_batch(target, None, [[1, 2]], [DecodeSettings(), DecodeSettings()])
