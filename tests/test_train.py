@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -558,6 +559,24 @@ def test_resume_is_bit_for_bit(data_dir, tiny_dir, tmp_path):
     sb = torch.load(tmp_path / "b" / "step_0000006" / "train_state.pt", weights_only=False)
     assert all(torch.equal(x["exp_avg_sq"], y["exp_avg_sq"])
                for x, y in zip(sa["optimizer"]["state"].values(), sb["optimizer"]["state"].values()))
+
+
+def test_keep_last_zero_and_a_dangling_latest_are_errors(data_dir, tiny_dir, tmp_path, capsys):
+    """--keep-last 0 used to delete the checkpoint just written, and --resume then silently restarted at step 0."""
+    assert main(["train", "--data", str(tmp_path / "nodata"), "--out", str(tmp_path / "c"), "--keep-last", "0"]) == 2
+    err = capsys.readouterr().err.strip()  # checked before --data is read
+    assert err.count("\n") == 0 and "--keep-last must be >= 1, got 0" in err, err
+    out = tmp_path / "run"
+    train(tiny_cfg(data_dir, out, steps=3, dev_every=0), target=load_target(str(tiny_dir)), log=lambda *a, **k: None)
+    shutil.rmtree(out / "step_0000003")  # what --keep-last 0 did
+    argv = ["train", "--data", str(data_dir), "--out", str(out), "--target", str(tiny_dir), "--num-layers", "1",
+            "--block-size", "4", "--steps", "3", "--batch-size", "4", "--anchors", "8", "--lr", "3e-3", "--dtype",
+            "float32", "--save-dtype", "float32", "--eval-sequences", "2", "--mask-token-id", str(MASK_ID)]
+    for extra in (["--resume"], []):
+        assert main(argv + extra) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and "names step_0000003, which holds no checkpoint" in err, err
+    assert not list(out.glob("step_*"))  # and nothing was trained from step 0
 
 
 @pytest.mark.slow  # ~15 s: a training subprocess is SIGKILLed mid-run, then resumed

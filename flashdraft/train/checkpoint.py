@@ -60,12 +60,16 @@ def prune(out: Path, keep_last: int) -> None:
 
 
 def latest_checkpoint(out: Path) -> Path | None:
-    """The checkpoint OUT/latest names, if it is complete."""
+    """The checkpoint OUT/latest names; None when there is no OUT/latest, an error when it names no checkpoint."""
     f = out / "latest"
     if not f.is_file():
         return None
-    path = out / f.read_text().strip()
-    return path if (path / "train_state.pt").is_file() else None
+    name = f.read_text().strip()
+    path = out / name
+    if not name or not (path / "train_state.pt").is_file():
+        raise FlashdraftError(f"{f} names {name or 'nothing'}, which holds no checkpoint (train_state.pt); point it "
+                              "at a complete step_* directory of this run to resume from there, or use a new --out")
+    return path
 
 
 def load_state(path: Path, cfg: TrainConfig) -> dict:

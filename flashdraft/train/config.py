@@ -68,7 +68,8 @@ def flag(name: str) -> str:
 
 def check_config(cfg: TrainConfig, world: int) -> None:
     """One-line FlashdraftErrors for settings that cannot work, before any file is read."""
-    for name in ("steps", "batch_size", "anchors", "num_layers", "log_every", "eval_every", "save_every", "loss_chunk"):
+    for name in ("steps", "batch_size", "anchors", "num_layers", "log_every", "eval_every", "save_every", "loss_chunk",
+                 "keep_last"):  # keep_last 0 would delete the checkpoint just written
         if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
             raise FlashdraftError(f"{flag(name)} must be >= 1, got {getattr(cfg, name)}")
     if cfg.micro_batch is not None and cfg.micro_batch < 1:
