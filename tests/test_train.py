@@ -679,6 +679,51 @@ def test_bad_input_is_one_line_exit_2(argv, msg, tmp_path, capsys):
     assert err.count("\n") == 0 and err.startswith("flashdraft: error:") and msg in err, err
 
 
+@pytest.mark.parametrize("flags, msg", [
+    (["--gamma", "0"], "--gamma must be > 0"),  # the loss weights would be 0/0
+    (["--gamma", "-2"], "--gamma must be > 0"),  # weights growing along the block
+    (["--gamma", "nan"], "--gamma must be > 0"),
+    (["--grad-clip", "0"], "--grad-clip must be > 0"),
+    (["--min-lr-ratio", "1.5"], "--min-lr-ratio must be in [0, 1]"),
+    (["--min-lr-ratio", "-0.1"], "--min-lr-ratio must be in [0, 1]"),
+    (["--weight-decay", "-0.01"], "--weight-decay must be a finite number >= 0"),
+    (["--kl-weight", "-1"], "--kl-weight must be a finite number >= 0"),
+    (["--distill-weight", "-1"], "--distill-weight must be a finite number >= 0"),
+    (["--selector-weight", "inf"], "--selector-weight must be a finite number >= 0"),
+    (["--warmup-steps", "-1"], "--warmup-steps must be >= 0"),
+    (["--lr", "nan"], "--lr must be > 0"),
+    (["--keep-last", "-1"], "--keep-last must be >= 1"),
+    (["--stop-after", "0"], "--stop-after must be >= 1"),
+])
+def test_train_ranges_are_checked_before_any_file_is_read(flags, msg, tmp_path, capsys):
+    assert main(["train", "--data", str(tmp_path / "nodata"), "--out", str(tmp_path / "c"), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("flashdraft: error:") and msg in err, err
+
+
+@pytest.mark.parametrize("flags, msg", [
+    (["--dev-percent", "200"], "--dev-percent must be in [0, 100)"),
+    (["--part", "2/2"], "--part must be I/N"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
+    (["--topk", "-1"], "--topk must be >= 0"),
+    (["--shard-size", "0"], "--batch-size and --shard-size must be >= 1"),
+    (["--features", "--num-layers", "0"], "--num-layers must be >= 1"),
+])
+def test_prepare_ranges_are_checked_before_any_file_is_read(flags, msg, tmp_path, capsys):
+    assert main(["prepare", str(tmp_path / "o"), "--prompts", str(tmp_path / "missing.jsonl"), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("flashdraft: error:") and msg in err, err
+
+
+def test_prepare_refuses_a_prompt_beyond_the_targets_context(tiny_dir, tmp_path):
+    target = load_target(str(tiny_dir))  # max_position_embeddings 512, one token per character
+    with pytest.raises(FlashdraftError, match="prompt 1 has .* not fit the target's context of 512 tokens"):
+        prepare(target, ["ab", "x" * 480], tmp_path / "p", max_new_tokens=40, batch_size=2, progress=False)
+    assert not list((tmp_path / "p").glob("shard_*"))  # refused before anything was generated
+    prepare(target, ["ab", "x" * 400], tmp_path / "q", max_new_tokens=40, batch_size=2, progress=False)
+
+
 def test_api_errors(data_dir, tiny_dir, tmp_path):
     target = load_target(str(tiny_dir))
     with pytest.raises(FlashdraftError, match="--kl-weight needs"):

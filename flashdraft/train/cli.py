@@ -72,6 +72,30 @@ def add_prepare(sub) -> None:
     p.set_defaults(func=cmd_prepare)
 
 
+def check_prepare_args(args) -> tuple[list[int] | None, tuple[int, int]]:
+    """The flags' ranges, before any file is read; returns (--feature-layer-ids, --part)."""
+    from .data import check_prepare_settings
+
+    if not args.prompts and not args.dataset:
+        raise FlashdraftError("give prompts: --prompts FILE.jsonl (repeatable) or --dataset NAME")
+    if args.max_samples is not None and args.max_samples < 1:
+        raise FlashdraftError(f"--max-samples must be >= 1, got {args.max_samples}")
+    layer_ids = parse_int_list(args.feature_layer_ids, "--feature-layer-ids")
+    if layer_ids is not None and not args.features:
+        raise FlashdraftError("--feature-layer-ids needs --features")
+    if args.num_layers < 1:
+        raise FlashdraftError(f"--num-layers must be >= 1, got {args.num_layers}")
+    if not 0 <= args.dev_percent < 100:
+        raise FlashdraftError(f"--dev-percent must be in [0, 100), got {args.dev_percent}")
+    try:
+        part = tuple(int(x) for x in args.part.split("/"))
+        assert len(part) == 2 and 0 <= part[0] < part[1]
+    except (ValueError, AssertionError):
+        raise FlashdraftError(f"--part must be I/N with 0 <= I < N, got {args.part!r}") from None
+    check_prepare_settings(args.max_new_tokens, args.batch_size, args.shard_size, args.temperature, args.topk)
+    return layer_ids, part
+
+
 def cmd_prepare(args) -> int:
     import torch
 
@@ -80,25 +104,12 @@ def cmd_prepare(args) -> int:
     from .data import human_bytes, interleave, prepare, read_dataset_prompts, read_jsonl_prompts, split_dev
 
     set_threads(args.threads)
-    if not args.prompts and not args.dataset:
-        raise FlashdraftError("give prompts: --prompts FILE.jsonl (repeatable) or --dataset NAME")
-    if args.max_samples is not None and args.max_samples < 1:
-        raise FlashdraftError(f"--max-samples must be >= 1, got {args.max_samples}")
-    layer_ids = parse_int_list(args.feature_layer_ids, "--feature-layer-ids")
-    if layer_ids is not None and not args.features:
-        raise FlashdraftError("--feature-layer-ids needs --features")
+    layer_ids, part = check_prepare_args(args)
     lists = [read_jsonl_prompts(f) for f in args.prompts]
     sources = list(args.prompts)
     if args.dataset:
         lists.append(read_dataset_prompts(args.dataset, args.dataset_split, args.dataset_config))
         sources.append(f"datasets:{args.dataset}:{args.dataset_split}")
-    if not 0 <= args.dev_percent < 100:
-        raise FlashdraftError(f"--dev-percent must be in [0, 100), got {args.dev_percent}")
-    try:
-        part = tuple(int(x) for x in args.part.split("/"))
-        assert len(part) == 2 and 0 <= part[0] < part[1]
-    except (ValueError, AssertionError):
-        raise FlashdraftError(f"--part must be I/N with 0 <= I < N, got {args.part!r}") from None
     prompts, dev = split_dev(interleave(lists), args.dev_percent)
     prompts = prompts[: args.max_samples]
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -226,8 +237,6 @@ def cmd_train(args) -> int:
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in keys})
     if len(cfg.data) == 1:
         cfg.data = cfg.data[0]  # one directory stays a string, as runs made before several were allowed store it
-    if cfg.stop_after is not None and cfg.stop_after < 1:
-        raise FlashdraftError(f"--stop-after must be >= 1, got {cfg.stop_after}")
     try:
         if train(cfg, log=print).interrupted:
             return 130  # like an interrupted shell job: a wrapper loop stops instead of starting the next chunk

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..checkpoint import parse_dtype
@@ -68,34 +69,48 @@ def flag(name: str) -> str:
 
 def check_config(cfg: TrainConfig, world: int) -> None:
     """One-line FlashdraftErrors for settings that cannot work, before any file is read."""
-    for name in ("steps", "batch_size", "anchors", "num_layers", "log_every", "eval_every", "save_every", "loss_chunk",
-                 "keep_last"):  # keep_last 0 would delete the checkpoint just written
-        if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
-            raise FlashdraftError(f"{flag(name)} must be >= 1, got {getattr(cfg, name)}")
-    if cfg.micro_batch is not None and cfg.micro_batch < 1:
-        raise FlashdraftError(f"--micro-batch must be >= 1, got {cfg.micro_batch}")
-    if cfg.lr <= 0:
-        raise FlashdraftError(f"--lr must be > 0, got {cfg.lr}")
+    check_ranges(cfg)
     if cfg.batch_size % world:
         raise FlashdraftError(f"--batch-size {cfg.batch_size} must be a multiple of the number of processes ({world})")
-    if cfg.loop_stages < 1:
-        raise FlashdraftError(f"--loop-stages must be >= 1 (1 = plain DFlash), got {cfg.loop_stages}")
-    if cfg.draft_vocab < 0:
-        raise FlashdraftError(f"--draft-vocab must be >= 0 (0 = whole vocabulary), got {cfg.draft_vocab}")
-    if cfg.loss_vocab < 0:
-        raise FlashdraftError(f"--loss-vocab must be >= 0 (0 = full vocabulary), got {cfg.loss_vocab}")
     if cfg.loss_vocab and cfg.kl_weight > 0:
         raise FlashdraftError("--kl-weight needs the full vocabulary: drop --loss-vocab")
     if cfg.offline and cfg.kl_weight > 0:
         raise FlashdraftError("--kl-weight needs the target's logits: train online (without --offline), or use "
                               "--distill-weight with data prepared with --topk")
-    if cfg.distill_weight < 0 or (cfg.distill_weight and not cfg.offline):
+    if cfg.distill_weight and not cfg.offline:
         raise FlashdraftError("--distill-weight needs --offline data prepared with --topk K, and must be >= 0")
     if cfg.extend and not cfg.resume:
         raise FlashdraftError("--extend only applies with --resume")
-    if cfg.time_limit is not None and cfg.time_limit <= 0:
-        raise FlashdraftError(f"--time-limit must be > 0 minutes, got {cfg.time_limit}")
-    if cfg.dev_samples < 1 or cfg.dev_max_new_tokens < 1 or (cfg.dev_every is not None and cfg.dev_every < 0):
-        raise FlashdraftError("--dev-samples and --dev-max-new-tokens must be >= 1 and --dev-every >= 0")
     parse_dtype(cfg.dtype)
     parse_dtype(cfg.save_dtype)
+
+
+def check_ranges(cfg: TrainConfig) -> None:
+    """Every number in the range where it means something (NaN is in none of them)."""
+    for name in ("steps", "batch_size", "anchors", "num_layers", "log_every", "eval_every", "save_every", "loss_chunk",
+                 "keep_last", "micro_batch", "stop_after"):  # keep_last 0 would delete the checkpoint just written
+        if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
+            raise FlashdraftError(f"{flag(name)} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.loop_stages < 1:
+        raise FlashdraftError(f"--loop-stages must be >= 1 (1 = plain DFlash), got {cfg.loop_stages}")
+    for name, what in (("draft_vocab", "whole vocabulary"), ("loss_vocab", "full vocabulary")):
+        if getattr(cfg, name) < 0:
+            raise FlashdraftError(f"{flag(name)} must be >= 0 (0 = {what}), got {getattr(cfg, name)}")
+    for name in ("warmup_steps", "eval_sequences"):
+        if getattr(cfg, name) is not None and getattr(cfg, name) < 0:
+            raise FlashdraftError(f"{flag(name)} must be >= 0, got {getattr(cfg, name)}")
+    finite = math.isfinite
+    rules = (("lr", 0 < cfg.lr and finite(cfg.lr), "> 0"),
+             ("min_lr_ratio", 0 <= cfg.min_lr_ratio <= 1, "in [0, 1] (the final learning rate as a fraction of --lr)"),
+             ("weight_decay", 0 <= cfg.weight_decay and finite(cfg.weight_decay), "a finite number >= 0"),
+             ("grad_clip", 0 < cfg.grad_clip, "> 0 (the largest gradient norm kept; inf: no clipping)"),
+             ("gamma", cfg.gamma is None or 0 < cfg.gamma, "> 0 (block position k weighs exp(-(k-1)/γ))"),
+             ("kl_weight", 0 <= cfg.kl_weight and finite(cfg.kl_weight), "a finite number >= 0"),
+             ("distill_weight", 0 <= cfg.distill_weight and finite(cfg.distill_weight), "a finite number >= 0"),
+             ("selector_weight", 0 <= cfg.selector_weight and finite(cfg.selector_weight), "a finite number >= 0"),
+             ("time_limit", cfg.time_limit is None or 0 < cfg.time_limit, "> 0 minutes"))
+    for name, ok, rule in rules:
+        if not ok:
+            raise FlashdraftError(f"{flag(name)} must be {rule}, got {getattr(cfg, name)}")
+    if cfg.dev_samples < 1 or cfg.dev_max_new_tokens < 1 or (cfg.dev_every is not None and cfg.dev_every < 0):
+        raise FlashdraftError("--dev-samples and --dev-max-new-tokens must be >= 1 and --dev-every >= 0")

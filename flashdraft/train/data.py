@@ -28,6 +28,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from .. import target as T
 from ..atomic import atomic_dir, write_text
 from ..errors import FlashdraftError
 from ..jsonl import read_records
@@ -371,7 +372,9 @@ def prepare(target, prompts: list[str], out_dir: str | Path, *, max_new_tokens: 
     part=(i, n) makes only shards with index % n == i, so n processes can share one output directory.
     dev: held-out prompts written to OUT/dev.jsonl (see split_dev).
     """
-    check_prepare_settings(prompts, max_new_tokens, batch_size, shard_size, temperature, topk)
+    if not prompts:
+        raise FlashdraftError("no prompts to generate from; pass --prompts FILE.jsonl or --dataset NAME")
+    check_prepare_settings(max_new_tokens, batch_size, shard_size, temperature, topk)
     model = target.model
     check_feature_layer_ids(model, feature_layer_ids)
     out = Path(out_dir)
@@ -391,23 +394,21 @@ def prepare(target, prompts: list[str], out_dir: str | Path, *, max_new_tokens: 
     if batching == "continuous" and not full_attention_only(model):
         batching = "static"
     t0 = time.perf_counter()
-    new_tokens = fill_shards(target, out, chunks, todo, batching=batching, rows=batch_size,
+    new_tokens = fill_shards(target, out, chunks, todo, shard_size=shard_size, batching=batching, rows=batch_size,
                              max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, chat=chat,
                              layer_ids=feature_layer_ids, topk=topk, progress=progress)
     return summarize(out, time.perf_counter() - t0, new_tokens)
 
 
-def check_prepare_settings(prompts: list[str], max_new_tokens: int, batch_size: int, shard_size: int,
-                           temperature: float, topk: int) -> None:
-    """One-line errors for prepare settings that cannot work."""
-    if not prompts:
-        raise FlashdraftError("no prompts to generate from; pass --prompts FILE.jsonl or --dataset NAME")
+def check_prepare_settings(max_new_tokens: int, batch_size: int, shard_size: int, temperature: float,
+                           topk: int) -> None:
+    """One-line errors for prepare settings that cannot work (NaN included)."""
     if max_new_tokens < 1:
         raise FlashdraftError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if batch_size < 1 or shard_size < 1:
         raise FlashdraftError(f"--batch-size and --shard-size must be >= 1, got {batch_size} and {shard_size}")
-    if temperature < 0:
-        raise FlashdraftError(f"--temperature must be >= 0, got {temperature}")
+    if not 0 <= temperature < math.inf:
+        raise FlashdraftError(f"--temperature must be a finite number >= 0, got {temperature}")
     if topk < 0:
         raise FlashdraftError(f"--topk must be >= 0, got {topk}")
 
@@ -438,23 +439,34 @@ def open_data_dir(out: Path, meta: dict) -> None:
     write_text(out / "meta.json", json.dumps(meta, indent=2) + "\n")
 
 
-def fill_shards(target, out: Path, chunks: dict[int, list[str]], todo: list[int], *, batching: str, rows: int,
-                max_new_tokens: int, temperature: float, seed: int, chat: bool, layer_ids: list[int] | None,
-                topk: int, progress: bool) -> int:
+def check_context(model, enc: list[list[int]], index: list[int], max_new_tokens: int) -> None:
+    """Every prompt and its longest answer must fit the target's context (beyond it positions mean nothing)."""
+    limit = T.context_limit(model)
+    for ids, k in zip(enc, index):
+        if len(ids) + max_new_tokens > limit:
+            raise FlashdraftError(f"prompt {k} has {len(ids)} tokens: with --max-new-tokens {max_new_tokens} it does "
+                                  f"not fit the target's context of {limit} tokens; shorten or drop it, or lower "
+                                  "--max-new-tokens")
+
+
+def fill_shards(target, out: Path, chunks: dict[int, list[str]], todo: list[int], *, shard_size: int, batching: str,
+                rows: int, max_new_tokens: int, temperature: float, seed: int, chat: bool,
+                layer_ids: list[int] | None, topk: int, progress: bool) -> int:
     """Answer the prompts of the shards in `todo` and write each shard as it completes; returns new tokens."""
     from tqdm import tqdm
 
     stop_ids = target.stop_token_ids()
     pad_id = target.tokenizer.pad_token_id
     pad_id = pad_id if pad_id is not None else (stop_ids[0] if stop_ids else 0)
-    mine = sum(map(len, chunks.values()))
-    bar = tqdm(total=mine, initial=mine - sum(len(chunks[i]) for i in todo), unit="seq", disable=not progress,
-               dynamic_ncols=True, desc="prepare", smoothing=0.05)
-    new_tokens, t0 = 0, time.perf_counter()
     # One stream over every shard still to do, each shard's prompts shortest first: rows of the next shard start
     # while the last long answers of the previous one finish, so the batch never drains between shards.
     enc = [target.encode(p, chat=chat) for i in todo for p in chunks[i]]
     where = [(i, j) for i in todo for j in range(len(chunks[i]))]
+    check_context(target.model, enc, [i * shard_size + j for i, j in where], max_new_tokens)
+    mine = sum(map(len, chunks.values()))
+    bar = tqdm(total=mine, initial=mine - sum(len(chunks[i]) for i in todo), unit="seq", disable=not progress,
+               dynamic_ncols=True, desc="prepare", smoothing=0.05)
+    new_tokens, t0 = 0, time.perf_counter()
     order = sorted(range(len(enc)), key=lambda k: (where[k][0], len(enc[k])))
     seqs: dict[int, list[Sequence | None]] = {i: [None] * len(chunks[i]) for i in todo}
     left = {i: len(chunks[i]) for i in todo}
