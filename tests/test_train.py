@@ -824,6 +824,30 @@ def test_dev_tau_selects_best_and_logs_cpu_hours(topk_dir, tiny_dir, tmp_path):
     assert abs(sum(lengths) / len(lengths) - best["dev_tau"]) < 1e-9 and len(lengths) == best["dev_cycles"]
 
 
+def test_resume_rewinds_metrics_and_never_replaces_a_better_best(topk_dir, tiny_dir, tmp_path):
+    """A run that died after logging steps 4-6 and keeping a better OUT/best, but before checkpointing step 6."""
+    target = load_target(str(tiny_dir))
+    out = tmp_path / "run"
+    cfg = dict(offline=True, steps=6, log_every=1, dev_every=3, dev_samples=2, dev_max_new_tokens=12, keep_last=5)
+    train(tiny_cfg(topk_dir, out, **cfg), target=target, log=lambda *a, **k: None)
+    shutil.rmtree(out / "step_0000006")
+    (out / "latest").write_text("step_0000003\n")
+    state = torch.load(out / "step_0000003" / "train_state.pt", weights_only=False)
+    state["best"]["dev_tau"] = -1.0  # the checkpoint's record is older than OUT/best ...
+    torch.save(state, out / "step_0000003" / "train_state.pt")
+    best = json.loads((out / "best" / "best.json").read_text())
+    (out / "best" / "best.json").write_text(json.dumps({**best, "dev_tau": 99.0}) + "\n")  # ... which is better
+    (out / "best" / "mark").write_text("kept")
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 7, "lo')  # a line torn by the crash
+    train(tiny_cfg(topk_dir, out, resume=True, **cfg), target=target, log=lambda *a, **k: None)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5, 6]  # each step once
+    assert [r["step"] for r in rows if "dev_tau" in r] == [0, 3, 6]
+    assert (out / "best" / "mark").read_text() == "kept"  # not replaced by a drafter with a lower dev τ
+    assert json.loads((out / "best" / "best.json").read_text())["dev_tau"] == 99.0
+
+
 def test_dev_prompts_interleave_every_data_directory(tiny_dir, tmp_path):
     """With several --data directories, dev τ is measured on all their dev splits, round-robin, so checkpoint
     selection weighs every training source; --dev-prompts overrides them."""

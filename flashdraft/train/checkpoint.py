@@ -132,15 +132,55 @@ def resume(cfg: TrainConfig, out: Path, drafter: nn.Module, opt, sched, n_seqs: 
     if not cfg.resume:
         if ckpt is not None:
             raise FlashdraftError(f"{out} already holds checkpoints; pass --resume to continue or choose a new --out")
-        return ResumePoint()
+        return ResumePoint(best=read_best(out))
     if ckpt is None:
         say(f"flashdraft: nothing to resume in {out}; starting from step 0", file=sys.stderr)
-        return ResumePoint()
+        return ResumePoint(best=read_best(out))
     state = load_state(ckpt, cfg)
     check_data_size(state, n_seqs, cfg, say)
     restore(state, drafter, opt, sched)
     say(f"flashdraft: resumed from {ckpt} at step {state['step']}", file=sys.stderr)
-    return ResumePoint(state["step"], state.get("cpu_s", 0.0), state.get("best"))
+    # OUT/best may be newer than the checkpoint (a run dies between the two): never replace it by a worse drafter
+    return ResumePoint(state["step"], state.get("cpu_s", 0.0), better(state.get("best"), read_best(out)))
+
+
+def read_best(out: Path) -> dict | None:
+    """The dev row of OUT/best (best.json), if there is a readable one."""
+    try:
+        row = json.loads((out / "best" / "best.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return row if isinstance(row, dict) and isinstance(row.get("dev_tau"), (int, float)) else None
+
+
+def better(a: dict | None, b: dict | None) -> dict | None:
+    """The dev row with the higher τ (either when one is missing)."""
+    if a is None or b is None:
+        return a or b
+    return b if b["dev_tau"] > a["dev_tau"] else a
+
+
+def rewind_metrics(metrics_file: Path, step: int) -> None:
+    """Drop the rows a run starting at `step` will write again (and a line torn by a crash), atomically.
+
+    Rows at the checkpoint's own step were written before it was saved; a run from step 0 redoes step 0's dev row.
+    """
+    if not metrics_file.is_file():
+        return
+    lines = metrics_file.read_text().splitlines()
+    keep = [line for line in lines if (row := parse_row(line)) is not None
+            and (row["step"] < step or (step > 0 and row["step"] == step))]
+    if len(keep) < len(lines):
+        write_text(metrics_file, "".join(line + "\n" for line in keep))
+
+
+def parse_row(line: str) -> dict | None:
+    """A metrics.jsonl row, or None for a line that is not one (torn by a crash mid-append)."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    return row if isinstance(row, dict) and isinstance(row.get("step"), int) else None
 
 
 def save_best(out: Path, drafter: nn.Module, row: dict, save_dtype: str) -> Path:

@@ -18,7 +18,7 @@ from torch import nn
 from .. import target as T
 from .batches import TrainData, frequent_tokens, training_data
 from .build import build_or_load_drafter
-from .checkpoint import resume, save_best, save_checkpoint, step_dir
+from .checkpoint import resume, rewind_metrics, save_best, save_checkpoint, step_dir
 from .config import TrainConfig, check_config
 from .data import data_dirs, read_meta
 from .evaluate import Clock, Meter, append_row, dev_line, dev_row, dev_setup, held_out_row, log_line
@@ -70,6 +70,7 @@ def train(cfg: TrainConfig, target=None, log=print) -> TrainResult:
     say(banner(cfg, drafter, data, rt), file=sys.stderr)
     if rt.is_main:
         out.mkdir(parents=True, exist_ok=True)
+        rewind_metrics(out / "metrics.jsonl", start.step)  # no step twice in metrics.jsonl after a resume
     last_stop = cfg.steps if cfg.stop_after is None else min(cfg.steps, start.step + cfg.stop_after)
     dev = dev_setup(cfg, target, rt.is_main, say)
     run = Run(cfg, rt, models, data, opt, sched, out, dev, Clock(start.cpu_s, rt.world), say, start.best)
