@@ -202,7 +202,8 @@ def dev_setup(cfg: TrainConfig, target, is_main: bool, say) -> dict | None:
 
 def decode_one(model: nn.Module, drafter: nn.Module, ids: list[int], settings: DecodeSettings) -> list[int]:
     """Acceptance lengths of one speculative generation of ids."""
-    from ..decode import generate_ids  # switches to flashdraft.decoding.generate_ids
+    # switches to flashdraft.decoding.generate_ids (whose **overrides take these same keywords; or pass settings)
+    from ..decode import generate_ids
 
     return generate_ids(model, drafter, ids, **settings.to_dict()).acceptance_lengths
 
