@@ -375,7 +375,7 @@ def test_browser_tree_and_screenshot_not_blank(browser, tmp_path):
 @pytest.mark.slow
 def test_default_target_trace_renders_its_own_tokens(tmp_path):
     """A real generate record of the default target and its drafter, rendered with the target's tokenizer."""
-    from flashdraft.decode import generate_ids
+    from flashdraft.decoding import generate_ids
     from flashdraft.models import load_drafter_for, load_target
 
     target = load_target()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,8 +24,12 @@ from flashdraft.train.data import load_sequences, prepare, read_jsonl_prompts
 from flashdraft.train.loss import (block_loss, loss_vocabulary, position_weights, remap_labels, tau_hat,
                                    weighted_ce)
 from flashdraft.train.mask import eligible_anchors, pad_anchors, sample_anchors, training_mask, training_masks
-from flashdraft.train.trainer import (TrainConfig, block_labels, drafter_hidden, pick_mask_token_id, step_indices,
-                                      train)
+from flashdraft.train.batches import step_indices
+from flashdraft.train.build import pick_mask_token_id
+from flashdraft.train.config import TrainConfig
+from flashdraft.train.forward import drafter_hidden
+from flashdraft.train.mask import block_labels
+from flashdraft.train.trainer import train
 
 CHARS = [chr(c) for c in range(32, 32 + VOCAB - 5)]  # 91 printable characters
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -363,7 +368,7 @@ def test_offline_training(data_dir, tiny_dir, tmp_path):
     with pytest.raises(FlashdraftError, match="target layers"):  # a 2-layer drafter wants layers [1, 1], stored [2]
         train(tiny_cfg(data_dir, tmp_path / "bad", offline=True, num_layers=2, steps=1), target=target)
     res = train(cfg, target=target, log=lambda *a, **k: None)
-    assert res["final_step"] == 3 and torch.isfinite(torch.tensor(res["loss"]))
+    assert res.final_step == 3 and torch.isfinite(torch.tensor(res.metrics["loss"]))
 
 
 def test_sampled_softmax_is_the_full_softmax_restricted(tiny_llama):
@@ -385,7 +390,7 @@ def test_sampled_softmax_is_the_full_softmax_restricted(tiny_llama):
 
 
 def test_target_init_copies_the_last_layers(tiny_dir, data_dir, tmp_path):
-    from flashdraft.train.trainer import build_or_load_drafter
+    from flashdraft.train.build import build_or_load_drafter
 
     target = load_target(str(tiny_dir))
     layers = target.model.model.layers
@@ -437,7 +442,7 @@ def test_selector_loss_scores_true_predecessor_and_skips_misses():
 def test_train_dflash2_from_dflash1_starts_equal(data_dir, tiny_dir, tmp_path):
     from flashdraft.checkpoint import save_drafter
     from flashdraft.decoding import generate_ids
-    from flashdraft.train.trainer import build_or_load_drafter
+    from flashdraft.train.build import build_or_load_drafter
 
     target = load_target(str(tiny_dir))
     d1 = random_drafter(target.model, num_layers=1, block_size=4, mask_id=MASK_ID)
@@ -452,7 +457,7 @@ def test_train_dflash2_from_dflash1_starts_equal(data_dir, tiny_dir, tmp_path):
     a, b = (generate_ids(target.model, d, prompt, max_new_tokens=30, tree=0) for d in (d1, d2))
     assert [c.block for c in a.cycles] == [c.block for c in b.cycles]  # identical drafts, cycle by cycle
     res = train(cfg, target=target, log=lambda *a, **k: None)
-    assert len(res["eval_topk_recall_pos"]) == 3 and res["final_step"] == 6
+    assert len(res.metrics["eval_topk_recall_pos"]) == 3 and res.final_step == 6
     saved = load_drafter(tmp_path / "o" / "step_0000006")
     assert saved.config.arch == "dflash2" and saved.candidate_selector.hidden_projection.weight.abs().sum() > 0
     with pytest.raises(FlashdraftError, match="is a DFlash 2 drafter"):
@@ -465,7 +470,7 @@ def test_init_from_keeps_the_first_layers_or_grows(data_dir, tiny_dir, tmp_path)
     or grows it to N with appended layers whose residual branches start at exactly zero: the grown drafter drafts
     exactly as the warm start did (so depths compare at equal compute), then trains its new layer."""
     from flashdraft.checkpoint import save_drafter
-    from flashdraft.train.trainer import build_or_load_drafter
+    from flashdraft.train.build import build_or_load_drafter
 
     target = load_target(str(tiny_dir))
     d2 = random_drafter(target.model, num_layers=2, block_size=4, mask_id=MASK_ID, arch="dflash2", selector_rank=8,
@@ -481,7 +486,7 @@ def test_init_from_keeps_the_first_layers_or_grows(data_dir, tiny_dir, tmp_path)
     assert len(build_or_load_drafter(every, target).layers) == 2
     res = train(tiny_cfg(data_dir, tmp_path / "o", init_from=str(tmp_path / "d2"), num_layers=1, steps=3, dev_every=0),
                 target=target, log=lambda *a, **k: None)
-    assert res["final_step"] == 3 and load_drafter(tmp_path / "o" / "step_0000003").config.num_hidden_layers == 1
+    assert res.final_step == 3 and load_drafter(tmp_path / "o" / "step_0000003").config.num_hidden_layers == 1
 
     three = build_or_load_drafter(tiny_cfg(data_dir, tmp_path / "g", init_from=str(tmp_path / "d2"), num_layers=3),
                                   target).eval()
@@ -502,23 +507,23 @@ def test_init_from_keeps_the_first_layers_or_grows(data_dir, tiny_dir, tmp_path)
 
 
 def test_loop_aware_training(data_dir, tiny_dir, tmp_path):
-    from flashdraft.train.trainer import loop_stage
+    from flashdraft.train.batches import loop_stage
 
     assert {loop_stage(0, st, 3) for st in range(40)} == {2, 3} and loop_stage(0, 5, 1) == 1
     target = load_target(str(tiny_dir))
     quiet = lambda *a, **k: None  # noqa: E731
     full = train(tiny_cfg(data_dir, tmp_path / "a", loop_stages=3, block_size=3, loss_vocab=16), target=target,
                  log=quiet)
-    assert full["eval_loop_tau"] >= 1 and "eval_loop_loss" in full
+    assert full.metrics["eval_loop_tau"] >= 1 and "eval_loop_loss" in full.metrics
     part = train(tiny_cfg(data_dir, tmp_path / "b", loop_stages=3, block_size=3, loss_vocab=16, stop_after=3),
                  target=target, log=quiet)
     resumed = train(tiny_cfg(data_dir, tmp_path / "b", loop_stages=3, block_size=3, loss_vocab=16, resume=True),
                     target=target, log=quiet)
-    assert part["final_step"] == 3
-    a, b = full["drafter"].state_dict(), resumed["drafter"].state_dict()
+    assert part.final_step == 3
+    a, b = full.drafter.state_dict(), resumed.drafter.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     plain = train(tiny_cfg(data_dir, tmp_path / "c", block_size=3, loss_vocab=16), target=target, log=quiet)
-    assert any(not torch.equal(a[k], v) for k, v in plain["drafter"].state_dict().items())  # the stage loss counts
+    assert any(not torch.equal(a[k], v) for k, v in plain.drafter.state_dict().items())  # the stage loss counts
 
 
 def test_sampled_softmax_training(data_dir, tiny_dir, tmp_path):
@@ -529,9 +534,9 @@ def test_sampled_softmax_training(data_dir, tiny_dir, tmp_path):
     full = train(tiny_cfg(data_dir, tmp_path / "a", loss_vocab=16), target=target, log=quiet)
     part = train(tiny_cfg(data_dir, tmp_path / "b", loss_vocab=16, stop_after=3), target=target, log=quiet)
     resumed = train(tiny_cfg(data_dir, tmp_path / "b", loss_vocab=16, resume=True), target=target, log=quiet)
-    assert part["final_step"] == 3 and "eval_tau" in full
-    assert len(full["eval_topk_recall_pos"]) == 3  # top-16 recall of a DFlash 1 drafter, for comparison
-    a, b = full["drafter"].state_dict(), resumed["drafter"].state_dict()
+    assert part.final_step == 3 and "eval_tau" in full.metrics
+    assert len(full.metrics["eval_topk_recall_pos"]) == 3  # top-16 recall of a DFlash 1 drafter, for comparison
+    a, b = full.drafter.state_dict(), resumed.drafter.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)  # the sampled ids are a pure function of (seed, step)
 
 
@@ -542,18 +547,36 @@ def test_resume_is_bit_for_bit(data_dir, tiny_dir, tmp_path):
     quiet = lambda *a, **k: None  # noqa: E731
     full = train(tiny_cfg(data_dir, tmp_path / "a", kl_weight=0.5), target=target, log=quiet)
     part = train(tiny_cfg(data_dir, tmp_path / "b", kl_weight=0.5, stop_after=3), target=target, log=quiet)
-    assert part["final_step"] == 3 and (tmp_path / "b" / "latest").read_text().strip() == "step_0000003"
+    assert part.final_step == 3 and (tmp_path / "b" / "latest").read_text().strip() == "step_0000003"
     with pytest.raises(FlashdraftError, match="--resume"):
         train(tiny_cfg(data_dir, tmp_path / "b", kl_weight=0.5), target=target, log=quiet)
     with pytest.raises(FlashdraftError, match="lr was"):
         train(tiny_cfg(data_dir, tmp_path / "b", kl_weight=0.5, lr=1e-3, resume=True), target=target, log=quiet)
     resumed = train(tiny_cfg(data_dir, tmp_path / "b", kl_weight=0.5, resume=True), target=target, log=quiet)
-    a, b = full["drafter"].state_dict(), resumed["drafter"].state_dict()
+    a, b = full.drafter.state_dict(), resumed.drafter.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     sa = torch.load(tmp_path / "a" / "step_0000006" / "train_state.pt", weights_only=False)
     sb = torch.load(tmp_path / "b" / "step_0000006" / "train_state.pt", weights_only=False)
     assert all(torch.equal(x["exp_avg_sq"], y["exp_avg_sq"])
                for x, y in zip(sa["optimizer"]["state"].values(), sb["optimizer"]["state"].values()))
+
+
+def test_keep_last_zero_and_a_dangling_latest_are_errors(data_dir, tiny_dir, tmp_path, capsys):
+    """--keep-last 0 used to delete the checkpoint just written, and --resume then silently restarted at step 0."""
+    assert main(["train", "--data", str(tmp_path / "nodata"), "--out", str(tmp_path / "c"), "--keep-last", "0"]) == 2
+    err = capsys.readouterr().err.strip()  # checked before --data is read
+    assert err.count("\n") == 0 and "--keep-last must be >= 1, got 0" in err, err
+    out = tmp_path / "run"
+    train(tiny_cfg(data_dir, out, steps=3, dev_every=0), target=load_target(str(tiny_dir)), log=lambda *a, **k: None)
+    shutil.rmtree(out / "step_0000003")  # what --keep-last 0 did
+    argv = ["train", "--data", str(data_dir), "--out", str(out), "--target", str(tiny_dir), "--num-layers", "1",
+            "--block-size", "4", "--steps", "3", "--batch-size", "4", "--anchors", "8", "--lr", "3e-3", "--dtype",
+            "float32", "--save-dtype", "float32", "--eval-sequences", "2", "--mask-token-id", str(MASK_ID)]
+    for extra in (["--resume"], []):
+        assert main(argv + extra) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and "names step_0000003, which holds no checkpoint" in err, err
+    assert not list(out.glob("step_*"))  # and nothing was trained from step 0
 
 
 @pytest.mark.slow  # ~15 s: a training subprocess is SIGKILLed mid-run, then resumed
@@ -656,6 +679,51 @@ def test_bad_input_is_one_line_exit_2(argv, msg, tmp_path, capsys):
     assert err.count("\n") == 0 and err.startswith("flashdraft: error:") and msg in err, err
 
 
+@pytest.mark.parametrize("flags, msg", [
+    (["--gamma", "0"], "--gamma must be > 0"),  # the loss weights would be 0/0
+    (["--gamma", "-2"], "--gamma must be > 0"),  # weights growing along the block
+    (["--gamma", "nan"], "--gamma must be > 0"),
+    (["--grad-clip", "0"], "--grad-clip must be > 0"),
+    (["--min-lr-ratio", "1.5"], "--min-lr-ratio must be in [0, 1]"),
+    (["--min-lr-ratio", "-0.1"], "--min-lr-ratio must be in [0, 1]"),
+    (["--weight-decay", "-0.01"], "--weight-decay must be a finite number >= 0"),
+    (["--kl-weight", "-1"], "--kl-weight must be a finite number >= 0"),
+    (["--distill-weight", "-1"], "--distill-weight must be a finite number >= 0"),
+    (["--selector-weight", "inf"], "--selector-weight must be a finite number >= 0"),
+    (["--warmup-steps", "-1"], "--warmup-steps must be >= 0"),
+    (["--lr", "nan"], "--lr must be > 0"),
+    (["--keep-last", "-1"], "--keep-last must be >= 1"),
+    (["--stop-after", "0"], "--stop-after must be >= 1"),
+])
+def test_train_ranges_are_checked_before_any_file_is_read(flags, msg, tmp_path, capsys):
+    assert main(["train", "--data", str(tmp_path / "nodata"), "--out", str(tmp_path / "c"), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("flashdraft: error:") and msg in err, err
+
+
+@pytest.mark.parametrize("flags, msg", [
+    (["--dev-percent", "200"], "--dev-percent must be in [0, 100)"),
+    (["--part", "2/2"], "--part must be I/N"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
+    (["--topk", "-1"], "--topk must be >= 0"),
+    (["--shard-size", "0"], "--batch-size and --shard-size must be >= 1"),
+    (["--features", "--num-layers", "0"], "--num-layers must be >= 1"),
+])
+def test_prepare_ranges_are_checked_before_any_file_is_read(flags, msg, tmp_path, capsys):
+    assert main(["prepare", str(tmp_path / "o"), "--prompts", str(tmp_path / "missing.jsonl"), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("flashdraft: error:") and msg in err, err
+
+
+def test_prepare_refuses_a_prompt_beyond_the_targets_context(tiny_dir, tmp_path):
+    target = load_target(str(tiny_dir))  # max_position_embeddings 512, one token per character
+    with pytest.raises(FlashdraftError, match="prompt 1 has .* not fit the target's context of 512 tokens"):
+        prepare(target, ["ab", "x" * 480], tmp_path / "p", max_new_tokens=40, batch_size=2, progress=False)
+    assert not list((tmp_path / "p").glob("shard_*"))  # refused before anything was generated
+    prepare(target, ["ab", "x" * 400], tmp_path / "q", max_new_tokens=40, batch_size=2, progress=False)
+
+
 def test_api_errors(data_dir, tiny_dir, tmp_path):
     target = load_target(str(tiny_dir))
     with pytest.raises(FlashdraftError, match="--kl-weight needs"):
@@ -729,8 +797,9 @@ def test_distillation_from_stored_top_k(topk_dir, tiny_dir, tmp_path):
     soft = train(tiny_cfg(topk_dir, tmp_path / "soft", distill_weight=1.0, **base), target=target, log=quiet)
     both = train(tiny_cfg(topk_dir, tmp_path / "sv", distill_weight=1.0, loss_vocab=20, **base), target=target,
                  log=quiet)
-    assert soft["loss"] > hard["loss"] and torch.isfinite(torch.tensor(both["loss"]))  # the soft term is added
-    a, b = hard["drafter"].state_dict(), soft["drafter"].state_dict()
+    # the soft term is added
+    assert soft.metrics["loss"] > hard.metrics["loss"] and torch.isfinite(torch.tensor(both.metrics["loss"]))
+    a, b = hard.drafter.state_dict(), soft.drafter.state_dict()
     assert any(not torch.equal(a[k], b[k]) for k in a)
 
 
@@ -755,10 +824,34 @@ def test_dev_tau_selects_best_and_logs_cpu_hours(topk_dir, tiny_dir, tmp_path):
     assert abs(sum(lengths) / len(lengths) - best["dev_tau"]) < 1e-9 and len(lengths) == best["dev_cycles"]
 
 
+def test_resume_rewinds_metrics_and_never_replaces_a_better_best(topk_dir, tiny_dir, tmp_path):
+    """A run that died after logging steps 4-6 and keeping a better OUT/best, but before checkpointing step 6."""
+    target = load_target(str(tiny_dir))
+    out = tmp_path / "run"
+    cfg = dict(offline=True, steps=6, log_every=1, dev_every=3, dev_samples=2, dev_max_new_tokens=12, keep_last=5)
+    train(tiny_cfg(topk_dir, out, **cfg), target=target, log=lambda *a, **k: None)
+    shutil.rmtree(out / "step_0000006")
+    (out / "latest").write_text("step_0000003\n")
+    state = torch.load(out / "step_0000003" / "train_state.pt", weights_only=False)
+    state["best"]["dev_tau"] = -1.0  # the checkpoint's record is older than OUT/best ...
+    torch.save(state, out / "step_0000003" / "train_state.pt")
+    best = json.loads((out / "best" / "best.json").read_text())
+    (out / "best" / "best.json").write_text(json.dumps({**best, "dev_tau": 99.0}) + "\n")  # ... which is better
+    (out / "best" / "mark").write_text("kept")
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 7, "lo')  # a line torn by the crash
+    train(tiny_cfg(topk_dir, out, resume=True, **cfg), target=target, log=lambda *a, **k: None)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5, 6]  # each step once
+    assert [r["step"] for r in rows if "dev_tau" in r] == [0, 3, 6]
+    assert (out / "best" / "mark").read_text() == "kept"  # not replaced by a drafter with a lower dev τ
+    assert json.loads((out / "best" / "best.json").read_text())["dev_tau"] == 99.0
+
+
 def test_dev_prompts_interleave_every_data_directory(tiny_dir, tmp_path):
     """With several --data directories, dev τ is measured on all their dev splits, round-robin, so checkpoint
     selection weighs every training source; --dev-prompts overrides them."""
-    from flashdraft.train.trainer import dev_setup
+    from flashdraft.train.evaluate import dev_setup
 
     target = load_target(str(tiny_dir))
     dirs = [tmp_path / "a", tmp_path / "b", tmp_path / "c"]  # c has no dev split
@@ -792,7 +885,7 @@ def test_resume_extend_accepts_grown_data_and_more_steps(tiny_dir, prompts_file,
         train(tiny_cfg(data, tmp_path / "run", steps=5, resume=True, dev_every=0), target=target, log=quiet)
     res = train(tiny_cfg(data, tmp_path / "run", steps=5, resume=True, extend=True, dev_every=0), target=target,
                 log=quiet)
-    assert res["final_step"] == 5 and (tmp_path / "run" / "latest").read_text().strip() == "step_0000005"
+    assert res.final_step == 5 and (tmp_path / "run" / "latest").read_text().strip() == "step_0000005"
     st = torch.load(tmp_path / "run" / "step_0000005" / "train_state.pt", weights_only=False)
     assert st["cpu_s"] > 0 and st["num_sequences"] > 12 * 0.9
 
@@ -800,14 +893,14 @@ def test_resume_extend_accepts_grown_data_and_more_steps(tiny_dir, prompts_file,
 def test_time_limit_stops_with_a_checkpoint(data_dir, tiny_dir, tmp_path, monkeypatch):
     import itertools
 
-    from flashdraft.train import trainer
+    import time
 
     clock = itertools.count(0.0, 40.0)  # every perf_counter call advances 40 s
-    monkeypatch.setattr(trainer.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
     res = train(tiny_cfg(data_dir, tmp_path / "t", steps=50, time_limit=3.0, dev_every=0), target=load_target(str(tiny_dir)),
                 log=lambda *a, **k: None)
-    assert 0 < res["final_step"] < 50
-    assert (tmp_path / "t" / "latest").read_text().strip() == f"step_{res['final_step']:07d}"
+    assert 0 < res.final_step < 50
+    assert (tmp_path / "t" / "latest").read_text().strip() == f"step_{res.final_step:07d}"
 
 
 @pytest.mark.parametrize("layer,is_causal,window", [("full_attention", None, None), ("sliding_attention", None, 3),

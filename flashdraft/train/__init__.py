@@ -1,1 +1,1 @@
-"""Drafter training (DESIGN.md §4): data generation by the target, masks, loss, trainer (DDP)."""
+"""Drafter training (docs/design.md §4): data generation by the target, masks, loss, trainer (DDP)."""

@@ -72,6 +72,30 @@ def add_prepare(sub) -> None:
     p.set_defaults(func=cmd_prepare)
 
 
+def check_prepare_args(args) -> tuple[list[int] | None, tuple[int, int]]:
+    """The flags' ranges, before any file is read; returns (--feature-layer-ids, --part)."""
+    from .data import check_prepare_settings
+
+    if not args.prompts and not args.dataset:
+        raise FlashdraftError("give prompts: --prompts FILE.jsonl (repeatable) or --dataset NAME")
+    if args.max_samples is not None and args.max_samples < 1:
+        raise FlashdraftError(f"--max-samples must be >= 1, got {args.max_samples}")
+    layer_ids = parse_int_list(args.feature_layer_ids, "--feature-layer-ids")
+    if layer_ids is not None and not args.features:
+        raise FlashdraftError("--feature-layer-ids needs --features")
+    if args.num_layers < 1:
+        raise FlashdraftError(f"--num-layers must be >= 1, got {args.num_layers}")
+    if not 0 <= args.dev_percent < 100:
+        raise FlashdraftError(f"--dev-percent must be in [0, 100), got {args.dev_percent}")
+    try:
+        part = tuple(int(x) for x in args.part.split("/"))
+        assert len(part) == 2 and 0 <= part[0] < part[1]
+    except (ValueError, AssertionError):
+        raise FlashdraftError(f"--part must be I/N with 0 <= I < N, got {args.part!r}") from None
+    check_prepare_settings(args.max_new_tokens, args.batch_size, args.shard_size, args.temperature, args.topk)
+    return layer_ids, part
+
+
 def cmd_prepare(args) -> int:
     import torch
 
@@ -80,25 +104,12 @@ def cmd_prepare(args) -> int:
     from .data import human_bytes, interleave, prepare, read_dataset_prompts, read_jsonl_prompts, split_dev
 
     set_threads(args.threads)
-    if not args.prompts and not args.dataset:
-        raise FlashdraftError("give prompts: --prompts FILE.jsonl (repeatable) or --dataset NAME")
-    if args.max_samples is not None and args.max_samples < 1:
-        raise FlashdraftError(f"--max-samples must be >= 1, got {args.max_samples}")
-    layer_ids = parse_int_list(args.feature_layer_ids, "--feature-layer-ids")
-    if layer_ids is not None and not args.features:
-        raise FlashdraftError("--feature-layer-ids needs --features")
+    layer_ids, part = check_prepare_args(args)
     lists = [read_jsonl_prompts(f) for f in args.prompts]
     sources = list(args.prompts)
     if args.dataset:
         lists.append(read_dataset_prompts(args.dataset, args.dataset_split, args.dataset_config))
         sources.append(f"datasets:{args.dataset}:{args.dataset_split}")
-    if not 0 <= args.dev_percent < 100:
-        raise FlashdraftError(f"--dev-percent must be in [0, 100), got {args.dev_percent}")
-    try:
-        part = tuple(int(x) for x in args.part.split("/"))
-        assert len(part) == 2 and 0 <= part[0] < part[1]
-    except (ValueError, AssertionError):
-        raise FlashdraftError(f"--part must be I/N with 0 <= I < N, got {args.part!r}") from None
     prompts, dev = split_dev(interleave(lists), args.dev_percent)
     prompts = prompts[: args.max_samples]
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -121,11 +132,11 @@ def cmd_prepare(args) -> int:
 # ---------------------------------------------------------------- train
 
 def add_train(sub) -> None:
-    from .trainer import TrainConfig
+    from .config import TrainConfig
 
     d = TrainConfig(data="", out="")
     p = sub.add_parser("train", help="train a DFlash drafter on prepared data",
-                       description="Train a block-diffusion drafter against a frozen target (DESIGN.md §4). "
+                       description="Train a block-diffusion drafter against a frozen target (docs/design.md §4). "
                                    "Multi-GPU / multi-process: torchrun --nproc_per_node=N -m flashdraft.cli train ...")
     p.add_argument("--data", required=True, action="append", metavar="DIR",
                    help="directory written by flashdraft prepare (repeatable: train on several together; dev τ uses "
@@ -139,6 +150,16 @@ def add_train(sub) -> None:
     p.add_argument("--block-size", type=int, default=None, help="block size B (default 16, or --init-from's)")
     p.add_argument("--mask-token-id", type=int, help="mask token id (default: spare embedding row, else the "
                    "highest-id unused special token, e.g. <empty_output>=16 for SmolLM2)")
+    add_optimizer_arguments(p, d)
+    add_run_arguments(p, d)
+    add_variant_arguments(p, d)
+    p.add_argument("--device", default=None, help="torch device (default: cuda:LOCAL_RANK if available, else cpu)")
+    p.add_argument("--threads", type=int, help="torch CPU threads per process")
+    p.set_defaults(func=cmd_train)
+
+
+def add_optimizer_arguments(p, d) -> None:
+    """train: steps, batches, the optimizer, the loss and dtypes (d: the TrainConfig defaults)."""
     p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps in total")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per step over all processes")
     p.add_argument("--micro-batch", type=int, help="sequences per forward per process (gradient accumulation)")
@@ -153,6 +174,10 @@ def add_train(sub) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=d.dtype, help="compute dtype (weights stay fp32)")
     p.add_argument("--save-dtype", choices=["float32", "bfloat16"], default=d.save_dtype, help="dtype of model.safetensors")
     p.add_argument("--offline", action="store_true", help="use features stored by prepare --features")
+
+
+def add_run_arguments(p, d) -> None:
+    """train: evaluation, checkpoints, resuming, stopping and dev τ."""
     p.add_argument("--eval-sequences", type=int, default=d.eval_sequences, help="held-out sequences (at most 10%%)")
     p.add_argument("--eval-every", type=int, default=d.eval_every)
     p.add_argument("--log-every", type=int, default=d.log_every)
@@ -172,6 +197,10 @@ def add_train(sub) -> None:
     p.add_argument("--dev-samples", type=int, default=d.dev_samples, help="dev prompts decoded per evaluation")
     p.add_argument("--dev-max-new-tokens", type=int, default=d.dev_max_new_tokens)
     p.add_argument("--dev-every", type=int, help="steps between dev τ evaluations (default: --save-every; 0 = never)")
+
+
+def add_variant_arguments(p, d) -> None:
+    """train: distillation, vocabularies, DFlash 2, DLoop, warm starts."""
     p.add_argument("--distill-weight", type=float, default=d.distill_weight,
                    help="offline distillation: add this times the cross-entropy against the target's top-k "
                         "distribution stored by prepare --topk (renormalised over the k tokens)")
@@ -197,23 +226,19 @@ def add_train(sub) -> None:
                    help="sampled softmax over the N most frequent training tokens, the step's labels and N/4 random "
                         "ids (several times faster on CPU; evaluation stays full-vocabulary); 0 = full vocabulary")
     p.add_argument("--loss-chunk", type=int, default=d.loss_chunk, help="logit rows per checkpointed loss chunk")
-    p.add_argument("--device", default=None, help="torch device (default: cuda:LOCAL_RANK if available, else cpu)")
-    p.add_argument("--threads", type=int, help="torch CPU threads per process")
-    p.set_defaults(func=cmd_train)
 
 
 def cmd_train(args) -> int:
-    from .trainer import TrainConfig, train
+    from .config import TrainConfig
+    from .trainer import train
 
     set_threads(args.threads)
     keys = TrainConfig.__dataclass_fields__
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in keys})
     if len(cfg.data) == 1:
         cfg.data = cfg.data[0]  # one directory stays a string, as runs made before several were allowed store it
-    if cfg.stop_after is not None and cfg.stop_after < 1:
-        raise FlashdraftError(f"--stop-after must be >= 1, got {cfg.stop_after}")
     try:
-        if train(cfg, log=print).get("interrupted"):
+        if train(cfg, log=print).interrupted:
             return 130  # like an interrupted shell job: a wrapper loop stops instead of starting the next chunk
     finally:
         import torch.distributed as dist
@@ -244,7 +269,7 @@ def cmd_draft_vocab(args) -> int:
     from ..checkpoint import DRAFT_VOCAB, draft_vocab_json
     from ..config import load_config
     from .data import load_all
-    from .trainer import frequent_tokens
+    from .batches import frequent_tokens
 
     if args.size < 1:
         raise FlashdraftError(f"--size must be >= 1, got {args.size}")

@@ -28,6 +28,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from .. import target as T
 from ..atomic import atomic_dir, write_text
 from ..errors import FlashdraftError
 from ..jsonl import read_records
@@ -371,31 +372,57 @@ def prepare(target, prompts: list[str], out_dir: str | Path, *, max_new_tokens: 
     part=(i, n) makes only shards with index % n == i, so n processes can share one output directory.
     dev: held-out prompts written to OUT/dev.jsonl (see split_dev).
     """
-    from tqdm import tqdm
-
     if not prompts:
         raise FlashdraftError("no prompts to generate from; pass --prompts FILE.jsonl or --dataset NAME")
-    if max_new_tokens < 1:
-        raise FlashdraftError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-    if batch_size < 1 or shard_size < 1:
-        raise FlashdraftError(f"--batch-size and --shard-size must be >= 1, got {batch_size} and {shard_size}")
-    if temperature < 0:
-        raise FlashdraftError(f"--temperature must be >= 0, got {temperature}")
-    if topk < 0:
-        raise FlashdraftError(f"--topk must be >= 0, got {topk}")
-    model, tok = target.model, target.tokenizer
-    if batching == "continuous" and not full_attention_only(model):
-        batching = "static"
-    n_layers = model.config.get_text_config().num_hidden_layers
-    if feature_layer_ids is not None:
-        bad = [i for i in feature_layer_ids if not 0 <= i < n_layers]
-        if bad:
-            raise FlashdraftError(f"feature layer ids {bad} are outside the target's layers 0..{n_layers - 1}")
+    check_prepare_settings(max_new_tokens, batch_size, shard_size, temperature, topk)
+    model = target.model
+    check_feature_layer_ids(model, feature_layer_ids)
     out = Path(out_dir)
     meta = {"format": FORMAT, "target": target.name, "num_prompts": len(prompts), "shard_size": shard_size,
             "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed, "chat": chat,
             "feature_layer_ids": feature_layer_ids, "topk": topk, "sources": sources or [],
             "dtype": str(next(model.parameters()).dtype).replace("torch.", "")}
+    open_data_dir(out, meta)
+    if dev:
+        write_dev(out, dev)
+    n_shards = math.ceil(len(prompts) / shard_size)
+    chunks = {i: prompts[i * shard_size:(i + 1) * shard_size] for i in range(n_shards) if i % part[1] == part[0]}
+    todo = [i for i, chunk in chunks.items() if not shard_done(shard_dir(out, i), chunk)]
+    if feature_layer_ids:  # finished shards made without features (not other parts' shards still to come)
+        done = [i for i in range(n_shards) if i not in todo and (shard_dir(out, i) / "tokens.safetensors").is_file()]
+        add_features(model, out, done, prompts, shard_size, feature_layer_ids, batch_size, progress)
+    if batching == "continuous" and not full_attention_only(model):
+        batching = "static"
+    t0 = time.perf_counter()
+    new_tokens = fill_shards(target, out, chunks, todo, shard_size=shard_size, batching=batching, rows=batch_size,
+                             max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, chat=chat,
+                             layer_ids=feature_layer_ids, topk=topk, progress=progress)
+    return summarize(out, time.perf_counter() - t0, new_tokens)
+
+
+def check_prepare_settings(max_new_tokens: int, batch_size: int, shard_size: int, temperature: float,
+                           topk: int) -> None:
+    """One-line errors for prepare settings that cannot work (NaN included)."""
+    if max_new_tokens < 1:
+        raise FlashdraftError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if batch_size < 1 or shard_size < 1:
+        raise FlashdraftError(f"--batch-size and --shard-size must be >= 1, got {batch_size} and {shard_size}")
+    if not 0 <= temperature < math.inf:
+        raise FlashdraftError(f"--temperature must be a finite number >= 0, got {temperature}")
+    if topk < 0:
+        raise FlashdraftError(f"--topk must be >= 0, got {topk}")
+
+
+def check_feature_layer_ids(model, feature_layer_ids: list[int] | None) -> None:
+    """Feature layers must exist in the target."""
+    n_layers = model.config.get_text_config().num_hidden_layers
+    bad = [i for i in feature_layer_ids or [] if not 0 <= i < n_layers]
+    if bad:
+        raise FlashdraftError(f"feature layer ids {bad} are outside the target's layers 0..{n_layers - 1}")
+
+
+def open_data_dir(out: Path, meta: dict) -> None:
+    """Start OUT, or continue it when it was prepared with the same settings; (re)writes meta.json."""
     if (out / "meta.json").is_file():
         old = read_meta(out)
         defaults = {"topk": 0}  # sets prepared before a setting existed had its default
@@ -404,37 +431,48 @@ def prepare(target, prompts: list[str], out_dir: str | Path, *, max_new_tokens: 
         if diff == ["feature_layer_ids"] and old.get("feature_layer_ids") is None:
             diff = []  # --features on a set prepared without: add features to the finished shards below
         if diff:
-            raise FlashdraftError(f"{out} was prepared with different settings ({', '.join(f'{k}={old.get(k)!r}' for k in diff)}); "
+            raise FlashdraftError(f"{out} was prepared with different settings "
+                                  f"({', '.join(f'{k}={old.get(k)!r}' for k in diff)}); "
                                   "use a new output directory or the same settings to resume")
     elif out.exists() and any(out.iterdir()):
         raise FlashdraftError(f"{out} exists and is not a prepared data directory; choose an empty or new directory")
     write_text(out / "meta.json", json.dumps(meta, indent=2) + "\n")
-    if dev:
-        write_dev(out, dev)
+
+
+def check_context(model, enc: list[list[int]], index: list[int], max_new_tokens: int) -> None:
+    """Every prompt and its longest answer must fit the target's context (beyond it positions mean nothing)."""
+    limit = T.context_limit(model)
+    for ids, k in zip(enc, index):
+        if len(ids) + max_new_tokens > limit:
+            raise FlashdraftError(f"prompt {k} has {len(ids)} tokens: with --max-new-tokens {max_new_tokens} it does "
+                                  f"not fit the target's context of {limit} tokens; shorten or drop it, or lower "
+                                  "--max-new-tokens")
+
+
+def fill_shards(target, out: Path, chunks: dict[int, list[str]], todo: list[int], *, shard_size: int, batching: str,
+                rows: int, max_new_tokens: int, temperature: float, seed: int, chat: bool,
+                layer_ids: list[int] | None, topk: int, progress: bool) -> int:
+    """Answer the prompts of the shards in `todo` and write each shard as it completes; returns new tokens."""
+    from tqdm import tqdm
 
     stop_ids = target.stop_token_ids()
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else (stop_ids[0] if stop_ids else 0)
-    n_shards = math.ceil(len(prompts) / shard_size)
-    chunks = {i: prompts[i * shard_size:(i + 1) * shard_size] for i in range(n_shards) if i % part[1] == part[0]}
-    todo = [i for i, chunk in chunks.items() if not shard_done(shard_dir(out, i), chunk)]
-    mine = sum(map(len, chunks.values()))
-    done_prompts = mine - sum(len(chunks[i]) for i in todo)
-    if feature_layer_ids:  # finished shards made without features (not other parts' shards still to come)
-        done = [i for i in range(n_shards) if i not in todo and (shard_dir(out, i) / "tokens.safetensors").is_file()]
-        add_features(model, out, done, prompts, shard_size, feature_layer_ids, batch_size, progress)
-    bar = tqdm(total=mine, initial=done_prompts, unit="seq", disable=not progress, dynamic_ncols=True,
-               desc="prepare", smoothing=0.05)
-    new_tokens, t0 = 0, time.perf_counter()
+    pad_id = target.tokenizer.pad_token_id
+    pad_id = pad_id if pad_id is not None else (stop_ids[0] if stop_ids else 0)
     # One stream over every shard still to do, each shard's prompts shortest first: rows of the next shard start
     # while the last long answers of the previous one finish, so the batch never drains between shards.
     enc = [target.encode(p, chat=chat) for i in todo for p in chunks[i]]
     where = [(i, j) for i in todo for j in range(len(chunks[i]))]
+    check_context(target.model, enc, [i * shard_size + j for i, j in where], max_new_tokens)
+    mine = sum(map(len, chunks.values()))
+    bar = tqdm(total=mine, initial=mine - sum(len(chunks[i]) for i in todo), unit="seq", disable=not progress,
+               dynamic_ncols=True, desc="prepare", smoothing=0.05)
+    new_tokens, t0 = 0, time.perf_counter()
     order = sorted(range(len(enc)), key=lambda k: (where[k][0], len(enc[k])))
     seqs: dict[int, list[Sequence | None]] = {i: [None] * len(chunks[i]) for i in todo}
     left = {i: len(chunks[i]) for i in todo}
     answer = answer_static if batching == "static" else answer_continuous
-    for a in answer(model, enc, order, rows=batch_size, max_new_tokens=max_new_tokens, temperature=temperature,
-                    stop_ids=stop_ids, pad_id=pad_id, seed=seed * 1_000_003, layer_ids=feature_layer_ids, topk=topk):
+    for a in answer(target.model, enc, order, rows=rows, max_new_tokens=max_new_tokens, temperature=temperature,
+                    stop_ids=stop_ids, pad_id=pad_id, seed=seed * 1_000_003, layer_ids=layer_ids, topk=topk):
         i, j = where[a.index]
         seqs[i][j] = sequence_of(a)
         left[i] -= 1
@@ -445,7 +483,7 @@ def prepare(target, prompts: list[str], out_dir: str | Path, *, max_new_tokens: 
         bar.set_postfix_str(f"{new_tokens / (time.perf_counter() - t0):.0f} tok/s, "
                             f"{sum(1 for v in left.values() if not v)}/{len(todo)} shards of this run")
     bar.close()
-    return summarize(out, time.perf_counter() - t0, new_tokens)
+    return new_tokens
 
 
 def add_features(model, out: Path, shards: list[int], prompts: list[str], shard_size: int, layer_ids: list[int],

@@ -1,4 +1,4 @@
-"""Block loss (DESIGN.md §4): decayed-weight CE on block positions 1..B-1, optional KL, accuracy and τ̂."""
+"""Block loss (docs/design.md §4): decayed-weight CE on block positions 1..B-1, optional KL, accuracy and τ̂."""
 
 from __future__ import annotations
 

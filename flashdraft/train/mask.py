@@ -1,4 +1,4 @@
-"""Training-time anchors, block layout and attention masks (DESIGN.md §4), as pure tensor functions.
+"""Training-time anchors, block layout and attention masks (docs/design.md §4), as pure tensor functions.
 
 Layout for one sequence of n positions and anchors a_0 < a_1 < ... (N of them), block size B:
 queries are the N blocks [x_a, M, ..., M] concatenated (T = N * B), at absolute positions a_j + k;
@@ -49,6 +49,17 @@ def block_positions(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
     """anchors [b, N] → absolute positions a_j + k of every block query, [b, N * B]."""
     k = torch.arange(block_size, device=anchors.device)
     return (anchors[..., None] + k).flatten(1)
+
+
+def block_labels(ids: torch.Tensor, anchors: torch.Tensor, B: int) -> torch.Tensor:
+    """x[a_j + k] for k = 1..B-1: ids [b, n], anchors [b, N] → [b, N, B-1] (padded anchors clamp in range)."""
+    pos = block_positions(anchors, B).clamp(max=ids.shape[1] - 1)
+    return ids.gather(1, pos).view(*anchors.shape, B)[..., 1:]
+
+
+def stage_len(block_size: int, stage: int) -> int:
+    """Block length of DLoop stage s: the anchor, (s-1)(B-1) revealed tokens and B-1 masks."""
+    return (stage - 1) * (block_size - 1) + block_size
 
 
 def training_mask(anchors: torch.Tensor, n_ctx: int, block_size: int) -> torch.Tensor:
