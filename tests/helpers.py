@@ -50,7 +50,8 @@ def random_drafter(target: torch.nn.Module, seed: int = 1, num_layers: int = 2, 
 
 def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
     """The target's own greedy decoding via transformers generate."""
-    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens,
+    x = torch.tensor([prompt], device=model.device)  # an explicit mask: generate would read pad ids as padding
+    out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new_tokens,
                          min_new_tokens=0)
     return out[0, len(prompt):].tolist()
 

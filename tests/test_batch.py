@@ -190,7 +190,7 @@ def test_plan_speculates_when_verify_is_cheap_and_not_when_it_is_not():
     for x in (4, 32):
         flat.observe(x, 0.050)  # a verify costs the same at any width (weight-read bound)
         linear.observe(x, 0.010 * x)  # a verify costs per token (compute bound)
-        draft.observe(x, 0.002)
+        draft.observe(x, 0.001 * x)  # a drafter pass costs per row
     assert max(plan(good, [1, 2, 4, 8], flat, draft, 8)[1]) == 8
     assert plan(good, [1, 2, 4, 8], linear, draft, 8)[1] == [1, 1, 1, 1]
     bad = [Row(Acceptance(kept=0.1, rejected=10), 8)] + good[:3]  # one request the drafter cannot help

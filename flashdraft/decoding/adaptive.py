@@ -108,8 +108,8 @@ class AdaptivePolicy:
 
     def choose(self, rows: list[Row]) -> list[int]:
         self.cycle += 1
-        if not self.verify.seen or not self.draft.seen:  # measure a speculative cycle first, then a plain one
-            return [r.max_width for r in rows] if not self.draft.seen else [1] * len(rows)
+        if self.cycle <= 2:  # measure a speculative cycle first, then a plain one, before trusting the fit
+            return [r.max_width for r in rows] if self.cycle == 1 else [1] * len(rows)
         widths = self.widths
         if self.cycle % EXPLORE == 0:  # one other width, in turn, keeps every width's cost measured
             widths = [widths[(self.cycle // EXPLORE) % len(widths)]]
