@@ -1,9 +1,10 @@
-"""`flashdraft prepare` and `flashdraft train` subcommands."""
+"""`flashdraft prepare`, `flashdraft train` and `flashdraft draft-vocab`."""
 
 from __future__ import annotations
 
 import sys
 
+from ..decoding.settings import parse_ids
 from ..errors import FlashdraftError
 
 
@@ -15,12 +16,7 @@ def add_train_commands(sub) -> None:
 
 
 def parse_int_list(text: str | None, what: str) -> list[int] | None:
-    if text is None:
-        return None
-    try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t]
-    except ValueError:
-        raise FlashdraftError(f"{what} must be comma-separated integers, got {text!r}") from None
+    return None if text is None else parse_ids(text, what)
 
 
 def set_threads(n: int | None) -> None:
@@ -77,7 +73,7 @@ def cmd_prepare(args) -> int:
 
     from ..config import default_target_layer_ids
     from ..models import load_target
-    from .data import human_bytes, interleave, prepare, read_dataset_prompts, read_jsonl_prompts, split_dev
+    from ..train.data import human_bytes, interleave, prepare, read_dataset_prompts, read_jsonl_prompts, split_dev
 
     set_threads(args.threads)
     if not args.prompts and not args.dataset:
@@ -121,7 +117,7 @@ def cmd_prepare(args) -> int:
 # ---------------------------------------------------------------- train
 
 def add_train(sub) -> None:
-    from .trainer import TrainConfig
+    from ..train.trainer import TrainConfig
 
     d = TrainConfig(data="", out="")
     p = sub.add_parser("train", help="train a DFlash drafter on prepared data",
@@ -203,7 +199,7 @@ def add_train(sub) -> None:
 
 
 def cmd_train(args) -> int:
-    from .trainer import TrainConfig, train
+    from ..train.trainer import TrainConfig, train
 
     set_threads(args.threads)
     keys = TrainConfig.__dataclass_fields__
@@ -243,8 +239,8 @@ def cmd_draft_vocab(args) -> int:
     from ..atomic import write_text
     from ..checkpoint import DRAFT_VOCAB, draft_vocab_json
     from ..config import load_config
-    from .data import load_all
-    from .trainer import frequent_tokens
+    from ..train.data import load_all
+    from ..train.trainer import frequent_tokens
 
     if args.size < 1:
         raise FlashdraftError(f"--size must be >= 1, got {args.size}")
