@@ -7,7 +7,6 @@ import itertools
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..decoding.settings import DecodeSettings
 from ..engines import get_engine
 from ..errors import FlashdraftError
 from ..llamacpp.gguf import Gguf
@@ -56,7 +55,8 @@ def ctx_for(target) -> int:
     return min(context_limit(target.model), 8192)
 
 
-def torch_variants(m: str, kind: str, parts: list[str], desc: dict, base: MethodSettings, sweep: Sweep) -> list[Variant]:
+def torch_variants(m: str, kind: str, parts: list[str], desc: dict, base: MethodSettings,
+                   sweep: Sweep) -> list[Variant]:
     """One dflash Variant per (loop setting, lookup, tree) at one drafter and block size."""
     out = []
     for (stages, gate), lookup, asked in itertools.product(sweep.loops, sweep.lookups, sweep.trees):

@@ -1,14 +1,9 @@
 """Engines: what runs a target. `generate`, `bench` and `serve` pick one by name; adding an engine is one module
 here with one class, and one line in ENGINES.
 
-An engine class offers:
-    check(settings, lookup_flag=None)   one-line errors for decode settings it cannot honour, before anything loads
-    open(target, drafter=None, settings=DEFAULTS, *, plain=False, **options) -> engine
-                                        ready to decode the target with that drafter (None: the target's registered
-                                        one; plain: none at all, the engine's own baseline)
-    engine.generate(prompt_ids, settings, on_tokens=None) -> result
-                                        output_ids, text, acceptance_lengths, to_record() (GenerationResult-shaped)
-    engine.close()                      engines are context managers too
+An engine class (see Engine) checks decode settings before anything loads, opens a target with a drafter (or plainly,
+its own baseline), generates from prompt ids with per-call DecodeSettings, and closes. Its results have output_ids,
+text, num_new_tokens, acceptance_lengths, timing.tokens_per_s and to_record(), as decode.GenerationResult does.
 """
 
 from __future__ import annotations
@@ -30,16 +25,24 @@ ENGINES = {
 
 class Engine(Protocol):
     name: str
+    interleaves: bool  # whether a drafted and a plain engine can alternate runs (both in this process)
+    plain_name: str  # what its plain baseline is called in summaries
 
     @classmethod
-    def check(cls, settings: DecodeSettings, lookup_flag: str | None = None) -> None: ...
+    def check(cls, settings: DecodeSettings, lookup_flag: str | None = None) -> None:
+        """One-line errors for settings it cannot honour (lookup_flag: the lookup flag given on the command line)."""
 
     @classmethod
     def open(cls, target, drafter=None, settings: DecodeSettings | None = None, *, plain: bool = False,
-             **options) -> Engine: ...
+             **options) -> Engine:
+        """Ready to decode target with drafter (a directory; None: the target's registered one); plain: without one."""
 
     def generate(self, prompt_ids: list[int], settings: DecodeSettings,
-                 on_tokens: Callable[[list[int]], None] | None = None): ...
+                 on_tokens: Callable[[list[int]], None] | None = None):
+        """One generation; on_tokens gets new tokens as they are accepted."""
+
+    def describe(self, result) -> str:
+        """A result in words, for the summary line."""
 
     def close(self) -> None: ...
 

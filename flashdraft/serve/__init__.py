@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 from ..errors import FlashdraftError
-from ..tree import DEFAULT_TREE
 
 ENGINES = ("torch",)
 
