@@ -186,3 +186,17 @@ def test_predicted_speedup_formula():
     assert c["predicted"] == pytest.approx(0.1 * 4 / 0.2) and c["speedup"] == pytest.approx(2.0)
     assert c["mismatches"] == 0
 
+
+
+def test_stop_token_ids_are_honoured_and_recorded(dirs, tmp_path):
+    first = tmp_path / "first"
+    assert main(args(dirs, first, "--methods", "ar,hf", "--max-samples", "1")) == 0
+    stop = lines(first / "samples.jsonl")[0]["turns"][0]["output_ids"][2]
+    out = tmp_path / "stopped"
+    assert main(args(dirs, out, "--methods", "ar,hf,dflash", "--max-samples", "1", "--stop-token-ids", str(stop))) == 0
+    for r in lines(out / "samples.jsonl"):  # every method stops right after the stop token, at the same place
+        ids = r["turns"][0]["output_ids"]
+        assert ids[-1] == stop and stop not in ids[:-1] and len(ids) <= 3, r["method"]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["config"]["stop_token_ids"] == [stop] and not s["correctness"]["failed"]
+    assert "stop_token_ids" not in json.loads((first / "summary.json").read_text())["config"]
