@@ -168,6 +168,15 @@ def add_train(sub) -> None:
     p.add_argument("--dev-samples", type=int, default=d.dev_samples, help="dev prompts decoded per evaluation")
     p.add_argument("--dev-max-new-tokens", type=int, default=d.dev_max_new_tokens)
     p.add_argument("--dev-every", type=int, help="steps between dev τ evaluations (default: --save-every; 0 = never)")
+    add_objective_flags(p, d)
+    p.add_argument("--device", default=None, help="torch device (default: cuda:LOCAL_RANK if available, else cpu)")
+    p.add_argument("--threads", type=int, help="torch CPU threads per process")
+    p.set_defaults(func=cmd_train)
+
+
+def add_objective_flags(p, d) -> None:
+    """train's flags for the drafter kind and what it learns: distillation, draft vocabulary, the DFlash 2 selector,
+    DLoop stages, warm start and the loss's vocabulary."""
     p.add_argument("--distill-weight", type=float, default=d.distill_weight,
                    help="offline distillation: add this times the cross-entropy against the target's top-k "
                         "distribution stored by prepare --topk (renormalised over the k tokens)")
@@ -193,9 +202,6 @@ def add_train(sub) -> None:
                    help="sampled softmax over the N most frequent training tokens, the step's labels and N/4 random "
                         "ids (several times faster on CPU; evaluation stays full-vocabulary); 0 = full vocabulary")
     p.add_argument("--loss-chunk", type=int, default=d.loss_chunk, help="logit rows per checkpointed loss chunk")
-    p.add_argument("--device", default=None, help="torch device (default: cuda:LOCAL_RANK if available, else cpu)")
-    p.add_argument("--threads", type=int, help="torch CPU threads per process")
-    p.set_defaults(func=cmd_train)
 
 
 def cmd_train(args) -> int:
