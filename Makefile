@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 PROMPT ?= Explain speculative decoding in two sentences.
 # llama.cpp, built from the source that this pinned llama-cpp-python sdist vendors (keep in sync with
-# flashdraft/llamacpp.py); only the tools flashdraft runs, once, into the cache (or $FLASHDRAFT_LLAMACPP).
+# flashdraft/llamacpp/build.py); only the tools flashdraft runs, once, into the cache (or $FLASHDRAFT_LLAMACPP).
 LLAMACPP_VERSION := 0.3.36
 CACHE_ROOT := $(or $(FLASHDRAFT_CACHE),$(if $(XDG_CACHE_HOME),$(XDG_CACHE_HOME),$(HOME)/.cache)/flashdraft)
 LLAMACPP_HOME := $(or $(FLASHDRAFT_LLAMACPP),$(CACHE_ROOT)/llamacpp/$(LLAMACPP_VERSION))

@@ -175,7 +175,8 @@ def mark_lookup(cycles: list[Cycle], stages: list, lookup_cycles: int) -> None:
 # ---------------------------------------------------------------- bench records
 
 def bench_turn(record: dict, turn: int = 1) -> dict:
-    """One turn (1-based) of a bench samples.jsonl record as a generate-like record (no per-cycle drafts)."""
+    """One turn (1-based) of a bench samples.jsonl record as a generate-like record (with its drafts where the bench
+    recorded its cycles: drafter methods on the torch engine)."""
     turns = record.get("turns") if isinstance(record, dict) else None
     if not isinstance(turns, list) or not turns:
         raise fail("it has no 'turns' list")
@@ -188,6 +189,7 @@ def bench_turn(record: dict, turn: int = 1) -> dict:
     return {"output_ids": t.get("output_ids"), "text": t.get("text", ""), "num_prompt_tokens": t.get("prompt_len"),
             "acceptance_lengths": t.get("acceptance_lengths"), "stages": t.get("stages") or [],
             "lookup_cycles": t.get("lookup_cycles", 0), "timing": timing,
+            **({"cycles": t["cycles"]} if isinstance(t.get("cycles"), list) else {}),
             "config": {"dataset": record.get("dataset"), "id": record.get("id"), "method": record.get("method"),
                        "turn": turn}}
 

@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from flashdraft import bench, report
+from flashdraft.bench import methods, report, runs
 from flashdraft.checkpoint import save_drafter
 from flashdraft.cli import main
 from helpers import VOCAB, random_drafter, tiny_target
@@ -72,11 +72,11 @@ def test_all_methods_files_and_lossless(dirs, tmp_path, capsys):
 
 def test_broken_method_is_a_correctness_failure(dirs, tmp_path, monkeypatch, capsys):
     def broken(target, ids, s):
-        r = bench.run_ar(target, ids, s)
+        r = methods.run_ar(target, ids, s)
         r.output_ids[3] = (r.output_ids[3] + 1) % VOCAB
         return r
 
-    monkeypatch.setitem(bench.METHODS, "broken", broken)
+    monkeypatch.setitem(methods.METHODS, "broken", broken)
     out = tmp_path / "run"
     assert main(args(dirs, out, "--methods", "ar,broken", "--no-chat")) == 1
     assert "CORRECTNESS FAILURE" in capsys.readouterr().err
@@ -92,7 +92,7 @@ def test_resume_skips_finished_samples(dirs, tmp_path, monkeypatch):
     assert len(lines(out / "samples.jsonl")) == 4
     calls = []
     for name in ("ar", "hf", "dflash"):
-        monkeypatch.setitem(bench.METHODS, name, lambda t, i, s, f=bench.METHODS[name], n=name: calls.append(n) or f(t, i, s))
+        monkeypatch.setitem(methods.METHODS, name, lambda t, i, s, f=methods.METHODS[name], n=name: calls.append(n) or f(t, i, s))
     assert main(args(dirs, out, "--methods", "ar,hf", "--max-samples", "2")) == 0
     assert calls == [] and len(lines(out / "samples.jsonl")) == 4
     with open(out / "samples.jsonl", "a") as f:  # a torn append from a crash is dropped, not fatal
@@ -107,7 +107,7 @@ def test_resume_skips_finished_samples(dirs, tmp_path, monkeypatch):
 
 def test_limit_time_stops_cleanly(dirs, tmp_path, monkeypatch):
     ticks = iter(range(1000))
-    monkeypatch.setattr(bench, "limit_clock", lambda: 0.5 * next(ticks))  # every check: +0.5 s, whatever the load
+    monkeypatch.setattr(runs, "limit_clock", lambda: 0.5 * next(ticks))  # every check: +0.5 s, whatever the load
     out = tmp_path / "run"
     assert main(args(dirs, out, "--methods", "ar,hf", "--limit-time", "1.5")) == 0
     s = json.loads((out / "summary.json").read_text())
@@ -122,7 +122,7 @@ def test_sigterm_stops_cleanly_with_a_report(dirs, tmp_path, monkeypatch):
     import signal
 
     out, calls = tmp_path / "run", []
-    hf = bench.METHODS["hf"]
+    hf = methods.METHODS["hf"]
 
     def hf_then_kill(t, i, s):
         calls.append(1)
@@ -130,7 +130,7 @@ def test_sigterm_stops_cleanly_with_a_report(dirs, tmp_path, monkeypatch):
             os.kill(os.getpid(), signal.SIGTERM)
         return hf(t, i, s)
 
-    monkeypatch.setitem(bench.METHODS, "hf", hf_then_kill)
+    monkeypatch.setitem(methods.METHODS, "hf", hf_then_kill)
     before = signal.getsignal(signal.SIGTERM)
     assert main(args(dirs, out, "--methods", "ar,hf")) == 130
     s = json.loads((out / "summary.json").read_text())
@@ -186,3 +186,17 @@ def test_predicted_speedup_formula():
     assert c["predicted"] == pytest.approx(0.1 * 4 / 0.2) and c["speedup"] == pytest.approx(2.0)
     assert c["mismatches"] == 0
 
+
+
+def test_stop_token_ids_are_honoured_and_recorded(dirs, tmp_path):
+    first = tmp_path / "first"
+    assert main(args(dirs, first, "--methods", "ar,hf", "--max-samples", "1")) == 0
+    stop = lines(first / "samples.jsonl")[0]["turns"][0]["output_ids"][2]
+    out = tmp_path / "stopped"
+    assert main(args(dirs, out, "--methods", "ar,hf,dflash", "--max-samples", "1", "--stop-token-ids", str(stop))) == 0
+    for r in lines(out / "samples.jsonl"):  # every method stops right after the stop token, at the same place
+        ids = r["turns"][0]["output_ids"]
+        assert ids[-1] == stop and stop not in ids[:-1] and len(ids) <= 3, r["method"]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["config"]["stop_token_ids"] == [stop] and not s["correctness"]["failed"]
+    assert "stop_token_ids" not in json.loads((first / "summary.json").read_text())["config"]

@@ -6,13 +6,15 @@ import json
 import pytest
 import torch
 
-from flashdraft import llamacpp as L
-from flashdraft.bench import parse_methods
+from flashdraft.bench.methods import parse_methods
+from flashdraft.bench.report import summarize
 from flashdraft.checkpoint import save_drafter
 from flashdraft.cli import main
 from flashdraft.config import load_config
+from flashdraft.errors import FlashdraftError
+from flashdraft.llamacpp import build, gguf
+from flashdraft.llamacpp.server import LlamaServer
 from flashdraft.models import registered_drafter
-from flashdraft.report import summarize
 from helpers import random_drafter, save_tiny_model_dir
 
 
@@ -72,7 +74,7 @@ def test_llamacpp_dflash_brings_its_plain_baseline():
 
 def test_server_log_gives_cycles_and_draft_time_per_request(tmp_path):
     """Two requests: per-cycle acceptance lengths and the per-request share of llama.cpp's cumulative draft timer."""
-    server = L.LlamaServer(tmp_path / "m.gguf", tmp_path / "d.gguf", 8)
+    server = LlamaServer(tmp_path / "m.gguf", tmp_path / "d.gguf", 8)
     log = tmp_path / "server.log"
     server.log = open(log, "wb")
     stats = ("I spec common_specu: statistics     draft-dflash: #calls(b,g,a) =    1     {n}     {n}, #gen drafts = "
@@ -104,7 +106,7 @@ def _turn(ids, tok_s, acc=()):
 def test_report_measures_and_checks_each_method_against_its_own_engine():
     """llamacpp-dflash is compared with llamacpp on the same file (speed and tokens); llamacpp plain is not held to
     ar's tokens (another engine's numerics), and a real divergence from its own baseline is a failure."""
-    from flashdraft.bench import Prompt
+    from flashdraft.bench.datasets import Prompt
 
     ar, other = [5, 6, 7, 8, 9], [5, 6, 7, 1, 2]
     records = [{"dataset": "d", "id": "p", "method": m, "turns": [t]} for m, t in [
@@ -142,10 +144,10 @@ NEAR_TIE = 1e-3  # fp32 logit margin under which batched and single-token kernel
 def built():
     for name in ("llama-server",):
         try:
-            L.tool(name)
+            build.tool(name)
         except Exception as e:  # a test that needs llama.cpp fails (never skips) when it is missing
             pytest.fail(f"{e}; or deselect with -m 'not llamacpp'")
-    return L.home()
+    return build.home()
 
 
 @pytest.fixture(scope="module")
@@ -170,14 +172,14 @@ def test_exported_drafter_is_lossless_in_llamacpp_and_tau_matches(built, smol, d
 
     block, n = 8, 64
     src = DRAFTERS_DIR / drafter_name
-    target_gguf = L.cached_export("target", L.local_target_dir(None), "f32")
-    drafter_gguf = L.cached_export("drafter", src, "f32", None)
+    target_gguf = gguf.cached_export("target", gguf.local_target_dir(None), "f32")
+    drafter_gguf = gguf.cached_export("drafter", src, "f32", None)
     drafter = load_drafter_for(smol, src)
     drafter.draft_vocab = None
     ids = [smol.encode(p) for p in PROMPTS]
-    with L.LlamaServer(target_gguf, threads=2) as plain:
+    with LlamaServer(target_gguf, threads=2) as plain:
         ref = [plain.complete(x, n).tokens for x in ids]
-    with L.LlamaServer(target_gguf, drafter_gguf, block, threads=2) as spec:
+    with LlamaServer(target_gguf, drafter_gguf, block, threads=2) as spec:
         got = [spec.complete(x, n) for x in ids]
     identical = 0
     for i, (x, r, g) in enumerate(zip(ids, ref, got)):
@@ -258,7 +260,7 @@ def test_generate_on_llamacpp_equals_llamacpp_plain(built, capsys):
 def test_a_file_llama_server_cannot_load_is_one_line_and_leaves_nothing(built, tmp_path):
     bad = tmp_path / "not-a-model.gguf"
     bad.write_bytes(b"GGUF but not really")
-    server = L.LlamaServer(bad, threads=1, startup_s=60)
-    with pytest.raises(L.FlashdraftError, match="llama-server exited while loading not-a-model.gguf"):
+    server = LlamaServer(bad, threads=1, startup_s=60)
+    with pytest.raises(FlashdraftError, match="llama-server exited while loading not-a-model.gguf"):
         server.start()
     assert server.proc is None and server.log is None

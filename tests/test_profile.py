@@ -6,10 +6,11 @@ import math
 import pytest
 import torch
 
+from flashdraft.bench.profile import best_block, break_even, measure_torch, predict, profile_table, truncated_tau
 from flashdraft.decoding import generate_ids
 from flashdraft.dflash2 import upgrade_to_dflash2
+from flashdraft.engines.torch import decode_ids
 from flashdraft.errors import FlashdraftError
-from flashdraft.profile import best_block, break_even, measure_torch, predict, profile_table, truncated_tau
 from helpers import hf_greedy, random_drafter
 
 # by hand: costs at B=2: 1+12=13 → 13/10; B=4: 2+14=16 → 1.6; B=8: 4+16=20 → 2.0; B=16: 8+24=32 → 3.2
@@ -45,16 +46,16 @@ def test_measure_torch_times_every_block_and_leaves_the_models_alone(tiny_llama,
 
 def test_measure_torch_splits_each_cycle_into_draft_and_the_rest(tiny_llama, drafter, monkeypatch):
     """draft_ms + verify_ms is the whole cycle: per B, (total - prefill) of a stop-free run over its cycles."""
-    import flashdraft.profile as P
+    import flashdraft.bench.profile as P
 
     runs = []
 
-    def recorded(*args, **kw):
-        r = generate_ids(*args, **kw)
-        runs.append((kw["block_size"], kw["max_new_tokens"], kw["stop_token_ids"], r))
+    def recorded(model, drafter, ids, settings, on_tokens=None):
+        r = decode_ids(model, drafter, ids, settings, on_tokens)
+        runs.append((settings.block_size, settings.max_new_tokens, settings.stop_token_ids, r))
         return r
 
-    monkeypatch.setattr(P, "generate_ids", recorded)
+    monkeypatch.setattr(P, "decode_ids", recorded)
     p = P.measure_torch(tiny_llama, drafter, [2, 8], PROMPT, tokens=20, repeats=1)
     assert [(b, n, s) for b, n, s, _ in runs] == [(8, 8, ()), (1, 20, ()), (2, 20, ()), (8, 20, ())]
     plain, *spec = [r for *_, r in runs[1:]]
@@ -71,15 +72,15 @@ def test_measure_torch_splits_each_cycle_into_draft_and_the_rest(tiny_llama, dra
 
 
 def test_measure_torch_takes_the_median_of_interleaved_rounds(tiny_llama, drafter, monkeypatch):
-    import flashdraft.profile as P
+    import flashdraft.bench.profile as P
 
     runs = []
 
-    def recorded(*args, **kw):
-        runs.append((kw["block_size"], generate_ids(*args, **kw)))
+    def recorded(model, drafter, ids, settings, on_tokens=None):
+        runs.append((settings.block_size, decode_ids(model, drafter, ids, settings, on_tokens)))
         return runs[-1][1]
 
-    monkeypatch.setattr(P, "generate_ids", recorded)
+    monkeypatch.setattr(P, "decode_ids", recorded)
     p = P.measure_torch(tiny_llama, drafter, [2, 8], PROMPT, tokens=16, repeats=3)
     assert [b for b, _ in runs] == [8] + [1, 2, 8] * 3  # a warm-up, then rounds of plain and every block size
 

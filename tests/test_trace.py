@@ -16,7 +16,7 @@ import pytest
 
 from flashdraft.errors import FlashdraftError
 from flashdraft.trace import bench_turn, build_cycles, render, write_trace
-from flashdraft.trace_cli import add_trace, lowest_tau, trace_bench, trace_for_generate
+from flashdraft.cli.trace import add_trace, lowest_tau, trace_bench, trace_for_generate
 from helpers import hf_greedy, tiny_target, tiny_tokenizer
 from lossless import generate_drafted, oracle_proposer
 
@@ -389,3 +389,33 @@ def test_default_target_trace_renders_its_own_tokens(tmp_path):
     assert [int(c["accepted"]) for c in parsed.cycles] == [c["accepted"] for c in rec["cycles"]]
     spans = target.decode(rec["output_ids"][:1]) + "".join(c["text"] for c in parsed.cycles)
     assert spans.replace("↵", "").startswith(result.text[:20])
+
+
+def test_generate_and_bench_write_trace_pages(tmp_path, capsys):
+    """`generate --trace FILE.html` and `bench --trace N`: pages whose cycles match the records, drafts included."""
+    from helpers import random_drafter, save_tiny_model_dir
+
+    from flashdraft.checkpoint import save_drafter
+    from flashdraft.cli import main
+
+    target = save_tiny_model_dir(tmp_path / "t")
+    save_drafter(random_drafter(target, block_size=4), tmp_path / "d")
+    common = ["--target", str(tmp_path / "t"), "--drafter", str(tmp_path / "d")]
+    assert main(["generate", *common, "--prompt-ids", "5,6,7,5,6,7,5", "--max-new-tokens", "20", "--json",
+                 "--trace", str(tmp_path / "g.html")]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    page = Page((tmp_path / "g.html").read_text())
+    assert [int(c["accepted"]) for c in page.cycles] == [c["accepted"] for c in rec["cycles"]]
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"id": f"p{i}", "turns": [f"t{i} t{i + 1} t{i} t{i + 1}"]}) + "\n"
+                            for i in range(3)))
+    assert main(["bench", *common, "--dataset", str(data), "--methods", "dflash", "--max-new-tokens", "12",
+                 "--out", str(tmp_path / "run"), "--trace", "2"]) == 0
+    pages = sorted((tmp_path / "run" / "traces").glob("*.html"))
+    assert len(pages) == 2
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    drafted = {s["id"]: s["turns"][0] for s in samples if s["method"] != "ar"}
+    for p in pages:
+        turn = next(t for i, t in drafted.items() if f"-{i}-" in p.name)
+        assert [int(c["accepted"]) for c in Page(p.read_text()).cycles] == [c["accepted"] for c in turn["cycles"]]
+    assert main(["bench", *common, "--dataset", str(data), "--out", str(tmp_path / "x"), "--trace", "-1"]) == 2

@@ -189,9 +189,19 @@ def lookup_from_args(args) -> bool | str:
     return values[0]
 
 
+def lookup_flag(args) -> str | None:
+    """The lookup flag that was passed (--no-lookup, --lookup-tree or --lookup), or None: engines that cannot look up
+    name it when they refuse it."""
+    for flag, on in (("--no-lookup", getattr(args, "no_lookup", False)),
+                     ("--lookup-tree", getattr(args, "lookup_tree", False)), ("--lookup", args.lookup is not None)):
+        if on:
+            return flag
+    return None
+
+
 def lookup_given(args) -> bool:
     """Whether any lookup flag was passed (engines that cannot look up refuse it)."""
-    return args.lookup is not None or getattr(args, "no_lookup", False) or getattr(args, "lookup_tree", False)
+    return lookup_flag(args) is not None
 
 
 def settings_from_args(args) -> DecodeSettings:

@@ -11,41 +11,9 @@ import sys
 from pathlib import Path
 
 from ..errors import FlashdraftError
-from ..decoding import DEFAULT_TREE, DecodeSettings
+from ..decoding import settings_from_args
 
 ENGINES = ("torch",)
-
-
-def add_serve(sub) -> None:
-    p = sub.add_parser("serve", help="OpenAI-compatible server (chat / completions, streaming)",
-                       description="Serve the target with speculative decoding behind the OpenAI API: "
-                                   "/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.")
-    p.add_argument("--target", help="registered name, local HF model dir or hub id (default: smollm2-135m-instruct)")
-    p.add_argument("--drafter", help="drafter directory (z-lab format); default: the one registered for the target")
-    p.add_argument("--engine", default="torch", help="decoding engine (only 'torch', the default, exists)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback; there is no authentication)")
-    p.add_argument("--port", type=int, default=8000, help="port (0: pick a free one; the bound port is printed)")
-    p.add_argument("--served-model-name", help="model id clients must send (default: the target's name)")
-    p.add_argument("--block-size", type=int, help="tokens verified per cycle (default: the drafter's block_size)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    p.add_argument("--loop-stages", type=int, default=1, help="DLoop drafting stages per cycle (default 1)")
-    p.add_argument("--loop-gate", type=float, default=-0.75, help="DLoop confidence gate (default -0.75)")
-    p.add_argument("--no-lookup", action="store_true",
-                   help="draft every cycle with the drafter (default: prompt lookup where the text's last n-gram recurs)")
-    p.add_argument("--tree", type=int,
-                   help=f"draft-tree nodes per drafter cycle for greedy requests (default {DEFAULT_TREE}, 0 with DLoop; "
-                        "0 = the chain)")
-    p.add_argument("--max-queue", type=int, default=8,
-                   help="requests that may wait while one is decoded; more get 429 (default 8)")
-    p.add_argument("--request-timeout", type=float, default=300.0,
-                   help="seconds from admission to the last token, waiting included (default 300)")
-    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413 (default 1 MiB)")
-    p.add_argument("--default-max-tokens", type=int, default=256,
-                   help="max_tokens when a request gives none (default 256, capped by the context)")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="after SIGTERM, seconds admitted requests get to finish before they are cancelled (default 30)")
-    p.set_defaults(func=cmd_serve)
 
 
 def check_options(args) -> None:
@@ -103,8 +71,7 @@ def cmd_serve(args) -> int:
     from .protocol import Served
     from .scheduler import Limits, Scheduler
 
-    settings = DecodeSettings(block_size=args.block_size, lookup=not args.no_lookup, tree=args.tree,
-                              loop_stages=args.loop_stages, loop_gate=args.loop_gate).validate()
+    settings = settings_from_args(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     target = load_target(args.target, dtype=args.dtype, device=device)
     drafter = load_drafter_or_plain(target, args.drafter, args.block_size)

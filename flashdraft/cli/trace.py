@@ -7,8 +7,8 @@ import sys
 from functools import lru_cache
 from pathlib import Path
 
-from .errors import FlashdraftError
-from .trace import TokenText, bench_turn, record_tau, write_trace
+from ..errors import FlashdraftError
+from ..trace import TokenText, bench_turn, record_tau, write_trace
 
 PLAIN_METHODS = {"ar", "hf", "hf-lookup", "llamacpp"}  # baselines: nothing drafted, nothing to trace
 
@@ -57,7 +57,7 @@ def read_input(path: Path) -> list[dict]:
         one = None
     if isinstance(one, dict):
         return [one]
-    from .jsonl import read_records
+    from ..jsonl import read_records
 
     records = [r for _, r in read_records(path)]
     if not records:
@@ -94,7 +94,7 @@ def load_tokenizer(name: str | None):
     """The target's tokenizer (registered name, local directory or hub id), or None (with a note) if it has none."""
     from transformers import AutoTokenizer
 
-    from .models import resolve_target
+    from ..models import resolve_target
 
     try:
         path = resolve_target(name)

@@ -74,7 +74,7 @@ def add_prepare(sub) -> None:
 
 def check_prepare_args(args) -> tuple[list[int] | None, tuple[int, int]]:
     """The flags' ranges, before any file is read; returns (--feature-layer-ids, --part)."""
-    from .data import check_prepare_settings
+    from ..train.data import check_prepare_settings
 
     if not args.prompts and not args.dataset:
         raise FlashdraftError("give prompts: --prompts FILE.jsonl (repeatable) or --dataset NAME")
@@ -101,7 +101,7 @@ def cmd_prepare(args) -> int:
 
     from ..config import default_target_layer_ids
     from ..models import load_target
-    from .data import human_bytes, interleave, prepare, read_dataset_prompts, read_jsonl_prompts, split_dev
+    from ..train.data import human_bytes, interleave, prepare, read_dataset_prompts, read_jsonl_prompts, split_dev
 
     set_threads(args.threads)
     layer_ids, part = check_prepare_args(args)
@@ -132,7 +132,7 @@ def cmd_prepare(args) -> int:
 # ---------------------------------------------------------------- train
 
 def add_train(sub) -> None:
-    from .config import TrainConfig
+    from ..train.config import TrainConfig
 
     d = TrainConfig(data="", out="")
     p = sub.add_parser("train", help="train a DFlash drafter on prepared data",
@@ -229,8 +229,8 @@ def add_variant_arguments(p, d) -> None:
 
 
 def cmd_train(args) -> int:
-    from .config import TrainConfig
-    from .trainer import train
+    from ..train.config import TrainConfig
+    from ..train.trainer import train
 
     set_threads(args.threads)
     keys = TrainConfig.__dataclass_fields__
@@ -268,8 +268,8 @@ def cmd_draft_vocab(args) -> int:
     from ..atomic import write_text
     from ..checkpoint import DRAFT_VOCAB, draft_vocab_json
     from ..config import load_config
-    from .data import load_all
-    from .batches import frequent_tokens
+    from ..train.data import load_all
+    from ..train.batches import frequent_tokens
 
     if args.size < 1:
         raise FlashdraftError(f"--size must be >= 1, got {args.size}")

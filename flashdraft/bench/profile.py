@@ -11,11 +11,23 @@ verify_ms counts the whole rest of a cycle (target pass, acceptance, rollback), 
 
 from __future__ import annotations
 
+import json
 import statistics
+from pathlib import Path
 
-from . import target as T
-from .decoding import generate_ids
-from .errors import FlashdraftError
+from .. import target as T
+from ..atomic import write_text
+from ..config import load_config
+from ..decoding.settings import DecodeSettings
+from ..engines.torch import decode_ids
+from ..errors import FlashdraftError
+from ..llamacpp.gguf import cached_export
+from ..llamacpp.server import Completion, LlamaServer
+from ..models import load_drafter_for, registered_drafter
+from .datasets import Prompt, encode_turn
+from .methods import DRAFTER_METHODS, LLAMACPP_METHODS
+from .runs import load_records, progress
+from .variants import Variant, ctx_for
 
 
 def check_profile_args(model, block_sizes: list[int], prompt_ids: list[int], tokens: int,
@@ -46,8 +58,8 @@ def measure_torch(model, drafter, block_sizes: list[int], prompt_ids: list[int],
     check_profile_args(model, block_sizes, prompt_ids, tokens, repeats)
 
     def run(d, b: int, n: int):  # chains, no lookup: every cycle verifies exactly b positions (fewer only at the end)
-        return generate_ids(model, d, prompt_ids, block_size=b, max_new_tokens=n, stop_token_ids=(), lookup=False,
-                            tree=0)
+        settings = DecodeSettings(block_size=b, max_new_tokens=n, stop_token_ids=(), lookup=False, tree=0)
+        return decode_ids(model, d, prompt_ids, settings)
 
     def per_cycle(r) -> tuple[float, float]:
         t, n = r.timing, len(r.cycles)
@@ -64,6 +76,32 @@ def measure_torch(model, drafter, block_sizes: list[int], prompt_ids: list[int],
             "verify_ms": {b: statistics.median(v for _, v in c) for b, c in costs.items()},
             "draft_ms": {b: statistics.median(d for d, _ in c) for b, c in costs.items()},
             "context_len": len(prompt_ids) + tokens // 2}
+
+
+def measure_llamacpp(model: Path, drafter: Path | None, block_sizes: list[int], ids: list[int],
+                     threads: int | None = None, tokens: int = 128, ctx: int = 4096) -> dict:
+    """llama.cpp's cost profile (the shape of profile.measure_torch) measured inside its own loop on one prompt.
+
+    plain_ms: generation time per token of plain decoding; for each B, a DFlash run at n_max = B - 1 gives
+    draft_ms (llama.cpp's timer around the drafter's block pass, per cycle) and verify_ms (the rest of the generation
+    time per cycle: the B-token target pass, the drafter's context update, sampling and acceptance). Runs ignore EOS
+    so every one generates `tokens` tokens.
+    """
+    def run(server: LlamaServer) -> Completion:
+        with server:
+            server.complete(ids, 8, ignore_eos=True)  # warm-up: first-call allocations stay out of the timing
+            return server.complete(ids, tokens, ignore_eos=True)
+
+    plain = run(LlamaServer(model, threads=threads, ctx=ctx))
+    out = {"engine": "llama.cpp", "plain_ms": plain.predicted_ms / max(1, len(plain.tokens) - 1),
+           "verify_ms": {}, "draft_ms": {}, "context_len": len(ids) + tokens // 2}
+    for b in block_sizes if drafter is not None else []:
+        c = run(LlamaServer(model, drafter, b, threads, ctx))
+        cycles = len(c.acceptance_lengths)
+        if cycles:
+            out["draft_ms"][b] = c.draft_ms / cycles
+            out["verify_ms"][b] = (c.predicted_ms - c.draft_ms) / cycles
+    return out
 
 
 def _by_block(d: dict) -> dict[int, float]:
@@ -140,3 +178,73 @@ def profile_table(profiles: list[dict], labels: list[str], taus: list[dict[int, 
                + [cell(even, b) for b in blocks] + [best_cell])
         rows.append("| " + " | ".join(row) + " |")
     return "\n".join(rows) + "\n"
+
+
+# ---------------------------------------------------------------- a bench run's profile
+
+PROFILE_BLOCKS = list(range(2, 17))
+
+
+def measured_taus(records: list[dict], labels: list[str], variants: dict[str, Variant]) -> dict[int, float]:
+    """τ by block size from the acceptance lengths of the largest block among labels, truncated to smaller blocks."""
+    runs = [lab for lab in labels if any(r["method"] == lab for r in records)]
+    if not runs:
+        return {}
+    top = max(runs, key=lambda lab: variants[lab].settings.decode.block_size)
+    b_max = variants[top].settings.decode.block_size
+    hist: dict[int, int] = {}
+    for r in records:
+        if r["method"] == top:
+            for t in r["turns"]:
+                for a in t["acceptance_lengths"]:
+                    hist[a] = hist.get(a, 0) + 1
+    return {b: truncated_tau(hist, b) for b in PROFILE_BLOCKS if b <= b_max} if hist else {}
+
+
+def run_profile(target, variants: list[Variant], datasets: dict[str, list[Prompt]], out: Path, chat: bool,
+                threads: int | None, tokens: int = 128) -> dict:
+    """The cost profile of each engine in the run (torch in its dtype, llama.cpp per target file) for each drafter,
+    with break-even τ, and τ / best block size where this run measured the drafter; written to profile.json."""
+    records = load_records(out / "samples.jsonl")
+    by_label = {v.label: v for v in variants}
+    drafters = list(dict.fromkeys(v.desc["drafter"] for v in variants if v.method in DRAFTER_METHODS)) or [None]
+    torch_run = any(v.method not in LLAMACPP_METHODS for v in variants)
+    files = list(dict.fromkeys(v.desc["gguf"] for v in variants if v.method in LLAMACPP_METHODS))
+    ids = encode_turn(target, next(iter(datasets.values()))[0].turns, [], None, None, chat)
+    dtype = str(next(target.model.parameters()).dtype).replace("torch.", "")
+    rows = []
+    with progress() as bar:
+        task = bar.add_task("profile", total=len(drafters) * (int(torch_run) + len(files)))
+        for d in drafters:
+            mine = [v for v in variants if v.method in DRAFTER_METHODS and v.desc["drafter"] == d]
+            name = Path(d).name if d else "no drafter"
+            drafter = next((v.settings.drafter for v in mine if v.settings.drafter is not None), None)
+            if drafter is None and d is not None:
+                drafter = load_drafter_for(target, None if d == "registered" else d)
+            if torch_run:
+                bar.update(task, description=f"profile · torch {dtype} · {name}")
+                prof = measure_torch(target.model, drafter, PROFILE_BLOCKS, ids, tokens)
+                taus = measured_taus(records, [v.label for v in mine if v.method == "dflash"]
+                                     or [v.label for v in mine], by_label)
+                rows.append({"label": f"torch {dtype} · {name}", "drafter": d, **prof, "tau_by_block": taus})
+                bar.advance(task)
+            for f in files:
+                bar.update(task, description=f"profile · llama.cpp {Path(f).name} · {name}")
+                drafter_gguf, blocks = None, PROFILE_BLOCKS
+                if d is not None:
+                    src = registered_drafter(target.name) if d == "registered" else Path(d)
+                    drafter_gguf = cached_export("drafter", src, "f32", target.name)
+                    blocks = [b for b in PROFILE_BLOCKS if b <= load_config(src).block_size]
+                prof = measure_llamacpp(Path(f), drafter_gguf, blocks, ids, threads, tokens, ctx_for(target))
+                same = [v.label for v in mine if v.desc.get("gguf") == f]
+                taus = measured_taus(records, same or [v.label for v in mine], by_label)
+                rows.append({"label": f"llama.cpp {Path(f).name} · {name}", "drafter": d, **prof,
+                             "tau_by_block": taus})
+                bar.advance(task)
+    for r in rows:
+        r["break_even"] = break_even(r)
+        r["predicted"] = predict(r, r["tau_by_block"]) if r["tau_by_block"] else {}
+        r["best_block"] = best_block(r, r["tau_by_block"]) if r["tau_by_block"] else None
+    profile = {"blocks": PROFILE_BLOCKS, "tokens": tokens, "profiles": rows}
+    write_text(out / "profile.json", json.dumps(profile, indent=2) + "\n")
+    return profile

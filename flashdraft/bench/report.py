@@ -11,7 +11,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from .atomic import write_text
+from ..atomic import write_text
 
 ALL = "all"
 

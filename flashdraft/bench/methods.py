@@ -1,0 +1,164 @@
+"""Bench methods: each is one small function (target, prompt ids, MethodSettings) → Sample, registered in METHODS.
+
+ar and dflash run on the torch engine, llamacpp and llamacpp-dflash on the llama.cpp engine; hf and hf-lookup are
+transformers' own `generate`. Each method has a plain baseline on the same engine (ar, or llamacpp on the same target
+file) that its speedup and its token-identity check refer to.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+from ..decoding.settings import DecodeSettings
+from ..engines import get_engine
+from ..errors import FlashdraftError
+
+ALL_METHODS = "ar,hf,hf-lookup,dflash"  # the default; llamacpp methods need `make llamacpp`
+
+
+@dataclass(frozen=True)
+class MethodSettings:
+    """What a method needs besides the target and the prompt."""
+
+    decode: DecodeSettings
+    drafter: object | None = None  # a loaded drafter module (dflash)
+    lookup_tokens: int = 10  # prompt_lookup_num_tokens (hf-lookup)
+    engine: object | None = None  # an open llama.cpp engine (llamacpp, llamacpp-dflash)
+
+    def shortened(self, max_new_tokens: int) -> MethodSettings:
+        """The same settings generating at most max_new_tokens (warm-ups)."""
+        n = min(max_new_tokens, self.decode.max_new_tokens)
+        return replace(self, decode=self.decode.updated(max_new_tokens=n))
+
+
+@dataclass
+class Sample:
+    """One generation: output, time to first token, total time, and per-cycle stats where the method has them."""
+
+    output_ids: list[int]
+    ttft_s: float
+    total_s: float
+    first_tokens: int = 1  # tokens that arrived with the first token (prefill); the rest count as decoding
+    acceptance_lengths: list[int] = field(default_factory=list)
+    draft_s: float | None = None  # None: the method has no per-cycle split
+    verify_s: float | None = None
+    other_s: float | None = None
+    stages: list[int] = field(default_factory=list)  # drafting stages per cycle (drafter methods only)
+    lookup_cycles: int = 0  # cycles drafted by prompt lookup instead of the drafter
+    cycles: list[dict] | None = None  # the generate record's cycles (drafter methods on the torch engine): for traces
+
+
+Method = Callable[[object, list[int], MethodSettings], Sample]
+
+
+# ---------------------------------------------------------------- torch engine
+
+def _torch(target, ids: list[int], settings: DecodeSettings, drafter) -> Sample:
+    engine = get_engine("torch").open(target, drafter, plain=drafter is None)
+    r = engine.generate(ids, settings)
+    t = r.timing
+    stages = [c.stages for c in r.cycles] if drafter is not None else []
+    return Sample(r.output_ids, t.prefill_s, t.total_s, 1, r.acceptance_lengths, t.draft_s, t.verify_s, t.other_s,
+                  stages, r.lookup_cycles, r.to_record()["cycles"] if drafter is not None else None)
+
+
+def run_ar(target, ids: list[int], s: MethodSettings) -> Sample:
+    """flashdraft's own loop at block size 1 (the reference)."""
+    return _torch(target, ids, s.decode.updated(block_size=1), None)
+
+
+def run_dflash(target, ids: list[int], s: MethodSettings) -> Sample:
+    """DFlash speculative decoding with s.drafter (DFlash 1 or 2) at the block size of s.decode (default: the
+    drafter's), with DLoop when its loop_stages > 1."""
+    return _torch(target, ids, s.decode, s.drafter)
+
+
+# ---------------------------------------------------------------- transformers
+
+class _Clock:
+    """A `generate` streamer that timestamps each chunk of new tokens (the first put is the prompt)."""
+
+    def __init__(self):
+        self.t0, self.prompt_seen, self.times, self.chunks = time.perf_counter(), False, [], []
+
+    def put(self, value) -> None:
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+        self.chunks.append(value.reshape(-1).tolist())
+
+    def end(self) -> None:
+        pass
+
+
+def _hf(target, ids: list[int], s: DecodeSettings, **extra) -> Sample:
+    """transformers `generate` (greedy, or sampling with the same settings), timed per chunk by a streamer."""
+    import torch
+
+    model = target.model
+    clock = _Clock()
+    stops = list(s.stop_token_ids)
+    kw = dict(do_sample=not s.temperature == 0, max_new_tokens=s.max_new_tokens, min_new_tokens=0,
+              eos_token_id=stops or None, pad_token_id=stops[0] if stops else 0, streamer=clock)
+    if s.temperature > 0:
+        kw.update(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+        torch.manual_seed(s.seed)
+    x = torch.tensor([ids], device=model.device)
+    clock.t0 = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(x, attention_mask=torch.ones_like(x), **kw, **extra)
+    total = time.perf_counter() - clock.t0
+    out, chunks = [], []
+    for chunk in clock.chunks:  # cut right after the first stop token, as flashdraft does
+        cut = next((i + 1 for i, t in enumerate(chunk) if t in stops), None)
+        out.extend(chunk[:cut])
+        chunks.append(len(chunk[:cut]))
+        if cut is not None:
+            break
+    ttft = clock.times[0] - clock.t0 if clock.times else total
+    return Sample(out, ttft, total, chunks[0] if chunks else 0, chunks)
+
+
+def run_hf(target, ids: list[int], s: MethodSettings) -> Sample:
+    """transformers `model.generate`."""
+    return _hf(target, ids, s.decode)
+
+
+def run_hf_lookup(target, ids: list[int], s: MethodSettings) -> Sample:
+    """transformers prompt-lookup decoding (`prompt_lookup_num_tokens`)."""
+    return _hf(target, ids, s.decode, prompt_lookup_num_tokens=s.lookup_tokens)
+
+
+# ---------------------------------------------------------------- llama.cpp engine
+
+def run_llamacpp(target, ids: list[int], s: MethodSettings) -> Sample:
+    """llama.cpp's llama-server, plain or with its built-in DFlash; times are the server's own (no HTTP)."""
+    r = s.engine.generate(ids, s.decode)
+    ttft, gen = r.prompt_ms / 1000, r.predicted_ms / 1000
+    if r.draft_ms is None:
+        return Sample(r.output_ids, ttft, ttft + gen)
+    draft = r.draft_ms / 1000  # llama.cpp times drafting alone; the rest of a cycle counts as verify
+    return Sample(r.output_ids, ttft, ttft + gen, 1, r.acceptance_lengths, draft, max(0.0, gen - draft), 0.0)
+
+
+METHODS: dict[str, Method] = {"ar": run_ar, "hf": run_hf, "hf-lookup": run_hf_lookup, "dflash": run_dflash,
+                              "llamacpp": run_llamacpp, "llamacpp-dflash": run_llamacpp}
+DRAFTER_METHODS = {"dflash", "llamacpp-dflash"}  # swept over --drafter × --block-size (× DLoop for dflash)
+LLAMACPP_METHODS = {"llamacpp", "llamacpp-dflash"}  # swept over --gguf
+
+
+def parse_methods(text: str, reference: bool = True) -> list[str]:
+    """--methods as a list, with ar (the reference) first unless --no-ar."""
+    methods = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in methods if m not in METHODS]
+    if bad or not methods:
+        raise FlashdraftError(f"--methods: unknown {bad or text!r}; choose from {', '.join(METHODS)}")
+    methods = [m for m in dict.fromkeys(methods) if m != "ar"]
+    if not reference and not methods:
+        raise FlashdraftError("--no-ar leaves no method to run; add one to --methods")
+    if reference and "llamacpp-dflash" in methods and "llamacpp" not in methods:  # its baseline
+        methods.insert(methods.index("llamacpp-dflash"), "llamacpp")
+    return (["ar"] if reference else []) + methods

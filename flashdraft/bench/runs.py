@@ -1,0 +1,138 @@
+"""A bench run: its results directory (samples.jsonl, run.json, resumable) and the loop over (dataset, prompt,
+variant) that fills it."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from ..atomic import write_text
+from ..errors import FlashdraftError
+from .datasets import Prompt, encode_turn
+from .methods import METHODS, Sample
+from .variants import Variant
+
+limit_clock = time.monotonic  # what --limit-time is measured with (a seam for tests)
+
+
+# ---------------------------------------------------------------- results directory
+
+def load_records(path: Path) -> list[dict]:
+    """Finished samples; a torn last line (crash mid-append) is dropped and the file repaired."""
+    if not path.is_file():
+        return []
+    text = path.read_text()
+    records, good = [], []
+    for line in text.splitlines():
+        try:
+            records.append(json.loads(line))
+            good.append(line)
+        except json.JSONDecodeError:
+            continue
+    if len(good) != len([ln for ln in text.splitlines() if ln.strip()]) or (text and not text.endswith("\n")):
+        write_text(path, "".join(ln + "\n" for ln in good))
+    return records
+
+
+def append_record(path: Path, record: dict) -> None:
+    """Append one JSON line with a single write (line-atomic for one writer) and fsync."""
+    data = (json.dumps(record) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def check_run(out: Path, config: dict, variants: dict[str, dict]) -> None:
+    """Refuse to resume into a directory produced with different settings; record this run's settings."""
+    path = out / "run.json"
+    old = json.loads(path.read_text()) if path.is_file() else {"config": config, "variants": {}}
+    if old["config"] != config:
+        diff = sorted(k for k in set(config) | set(old["config"]) if config.get(k) != old["config"].get(k))
+        raise FlashdraftError(f"{out} holds a run with different settings ({', '.join(diff)}); "
+                              "use another --out or the same settings to resume")
+    for label, desc in variants.items():
+        if label in old["variants"] and old["variants"][label] != desc:
+            raise FlashdraftError(f"{out}: method {label!r} was run with {old['variants'][label]}, now {desc}; "
+                                  "use another --out")
+    write_text(path, json.dumps({"config": config, "variants": {**old["variants"], **variants}}, indent=2) + "\n")
+
+
+# ---------------------------------------------------------------- the run
+
+def turn_record(target, s: Sample, prompt_len: int) -> dict:
+    """The per-turn part of a per-sample JSONL record (with the cycles where the method records them)."""
+    return {**({"cycles": s.cycles} if s.cycles is not None else {}), "prompt_len": prompt_len, "output_ids": s.output_ids, "text": target.decode(s.output_ids),
+            "new_tokens": len(s.output_ids), "first_tokens": s.first_tokens, "ttft_s": s.ttft_s,
+            "total_s": s.total_s, "decode_s": max(0.0, s.total_s - s.ttft_s),
+            "acceptance_lengths": s.acceptance_lengths, "stages": s.stages, "lookup_cycles": s.lookup_cycles,
+            "cycle_timing": s.draft_s is not None, "draft_s": s.draft_s or 0.0, "verify_s": s.verify_s or 0.0,
+            "other_s": s.other_s or 0.0}
+
+
+def run_sample(target, v: Variant, p: Prompt, chat: bool) -> list[dict]:
+    """All turns of one prompt with one method, each turn fed the method's own previous answers."""
+    fn = METHODS[v.method]
+    turns, answers, prev, prev_out = [], [], None, None
+    for _ in p.turns:
+        ids = encode_turn(target, p.turns, answers, prev, prev_out, chat)
+        s = fn(target, ids, v.settings)
+        turns.append(turn_record(target, s, len(ids)))
+        answers.append(turns[-1]["text"])
+        prev, prev_out = ids, s.output_ids
+    return turns
+
+
+def warm_up(target, variants: list[Variant], p: Prompt, chat: bool) -> None:
+    """One short untimed generation per method so none pays first-call costs in the measurement."""
+    ids = target.encode(p.turns[0], chat=chat)
+    for v in variants:
+        METHODS[v.method](target, ids, v.settings.shortened(16))
+
+
+def progress():
+    """A rich progress bar on stderr."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TimeRemainingColumn(), console=Console(stderr=True), transient=False)
+
+
+def run_bench(target, datasets: dict[str, list[Prompt]], variants: list[Variant], out: Path, chat: bool,
+              limit_time: float | None) -> str | None:
+    """Run every (dataset, prompt, method) not yet in samples.jsonl; returns why it stopped early, or None."""
+    from rich.markup import escape
+
+    path = out / "samples.jsonl"
+    done = {(r["dataset"], r["id"], r["method"]) for r in load_records(path)}
+    todo = [(ds, p, v) for ds, ps in datasets.items() for p in ps for v in variants if (ds, p.id, v.label) not in done]
+    if not todo:
+        return None
+    t_start = limit_clock()
+    warm_up(target, variants, todo[0][1], chat)
+    bar = progress()
+    plain = not bar.console.is_terminal
+    stopped = None
+    with bar:
+        task = bar.add_task("bench", total=len(todo))
+        for n, (ds, p, v) in enumerate(todo, 1):
+            if limit_time is not None and limit_clock() - t_start >= limit_time:
+                stopped = f"time limit of {limit_time:g}s reached after {n - 1} of {len(todo)} runs"
+                break
+            bar.update(task, description=escape(f"{ds} · {v.label} · {p.id}"))
+            turns = run_sample(target, v, p, chat)
+            append_record(path, {"dataset": ds, "id": p.id, "method": v.label, "turns": turns})
+            bar.advance(task)
+            if plain:
+                toks = sum(t["new_tokens"] for t in turns)
+                dec = sum(t["decode_s"] for t in turns)
+                print(f"[{n}/{len(todo)}] {ds} {p.id} {v.label}: {toks} tokens, "
+                      f"{sum(t['new_tokens'] - t['first_tokens'] for t in turns) / max(dec, 1e-9):.1f} tok/s",
+                      file=sys.stderr, flush=True)
+    return stopped

@@ -1,0 +1,37 @@
+"""`flashdraft serve`'s flags; the command itself is flashdraft.serve.cmd_serve (the web stack loads when it runs)."""
+
+from __future__ import annotations
+
+from ..decoding.settings import add_decode_arguments
+
+
+def add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible server (chat / completions, streaming)",
+                       description="Serve the target with speculative decoding behind the OpenAI API: "
+                                   "/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.")
+    p.add_argument("--target", help="registered name, local HF model dir or hub id (default: smollm2-135m-instruct)")
+    p.add_argument("--drafter", help="drafter directory (z-lab format); default: the one registered for the target")
+    # free text, not argparse choices: cmd_serve names the engines it serves in its one-line error
+    p.add_argument("--engine", default="torch", help="decoding engine (only 'torch', the default, serves today)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback; there is no authentication)")
+    p.add_argument("--port", type=int, default=8000, help="port (0: pick a free one; the bound port is printed)")
+    p.add_argument("--served-model-name", help="model id clients must send (default: the target's name)")
+    add_decode_arguments(p, per_request=False)  # length, sampling and stops come with each request
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--max-queue", type=int, default=8,
+                   help="requests that may wait while one is decoded; more get 429 (default 8)")
+    p.add_argument("--request-timeout", type=float, default=300.0,
+                   help="seconds from admission to the last token, waiting included (default 300)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413 (default 1 MiB)")
+    p.add_argument("--default-max-tokens", type=int, default=256,
+                   help="max_tokens when a request gives none (default 256, capped by the context)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="after SIGTERM, seconds admitted requests get to finish before they are cancelled (default 30)")
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    from ..serve import cmd_serve as serve
+
+    return serve(args)

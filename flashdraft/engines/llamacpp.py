@@ -1,0 +1,143 @@
+"""llama.cpp's own DFlash (or plain decoding) through llama-server: the target as a GGUF file, the drafter exported
+to GGUF. llama.cpp drafts the drafter's chain every cycle: no DLoop, prompt lookup or trees, and blocks no larger
+than the drafter was trained with."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ..decoding.settings import DEFAULTS, DecodeSettings
+from ..errors import FlashdraftError
+from ..llamacpp.build import tool
+from ..llamacpp.gguf import Gguf, cached_export, resolve_ggufs
+from ..llamacpp.server import LlamaServer
+
+
+@dataclass
+class LlamaCppTiming:
+    """The server's own timings (no HTTP); tokens_per_s is the decode rate: tokens after the first / generation time."""
+
+    prefill_s: float
+    draft_s: float
+    total_s: float
+    tokens_per_s: float
+
+
+@dataclass
+class LlamaCppResult:
+    """One llama.cpp generation, shaped like decode.GenerationResult where the two engines agree."""
+
+    output_ids: list[int]
+    num_prompt_tokens: int
+    prompt_ms: float  # the server's prefill time
+    predicted_ms: float  # its generation time
+    draft_ms: float | None  # its drafting time (None: plain decoding)
+    config: dict
+    acceptance_lengths: list[int] = field(default_factory=list)  # per cycle: drafts accepted + 1 (DFlash only)
+    text: str = ""
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def timing(self) -> LlamaCppTiming:
+        tok_s = (max(len(self.output_ids) - 1, 0) / (self.predicted_ms / 1000) if self.predicted_ms > 0 else 0.0)
+        return LlamaCppTiming(self.prompt_ms / 1000, (self.draft_ms or 0.0) / 1000,
+                              (self.prompt_ms + self.predicted_ms) / 1000, tok_s)
+
+    def to_record(self) -> dict:
+        return {"output_ids": self.output_ids, "text": self.text, "num_prompt_tokens": self.num_prompt_tokens,
+                "num_new_tokens": self.num_new_tokens, "acceptance_lengths": self.acceptance_lengths,
+                "timing": asdict(self.timing), "config": self.config}
+
+
+def drafter_block(target, drafter: str | Path | None, block_size: int | None) -> tuple[Path | None, int]:
+    """(drafter directory, block size) for llama.cpp's DFlash; block 1 decodes plainly. The registered drafter runs
+    at the registry's llama.cpp block size, any other at its trained one unless block_size says otherwise."""
+    from ..config import load_config
+    from ..models import REGISTRY, registered_drafter
+
+    src = drafter or registered_drafter(target.name)
+    if src is None:
+        if block_size not in (None, 1):
+            raise FlashdraftError(f"--block-size {block_size} needs a drafter: pass --drafter DIR")
+        print(f"flashdraft: no drafter registered for {target.name}; decoding plainly.", file=sys.stderr)
+        return None, 1
+    if block_size == 1:
+        return Path(src), 1
+    entry, trained = REGISTRY.get(target.name), load_config(src).block_size
+    registered_block = entry.llamacpp_block_size if entry and drafter is None else None
+    block = block_size or registered_block or trained
+    if block > trained:
+        raise FlashdraftError(f"--block-size {block}: llama.cpp caps DFlash blocks at the drafter's trained block "
+                              f"size {trained}")
+    return Path(src), block
+
+
+class LlamaCppEngine:
+    """One llama-server (started at the first request) for a target file and, unless plain, a DFlash drafter."""
+
+    name = "llamacpp"
+    interleaves = False  # one server at a time: a comparison runs all of one engine's runs, then the other's
+    plain_name = "llama.cpp plain"
+
+    def __init__(self, target, server: LlamaServer, gguf: Gguf, block_size: int):
+        self.target, self.server, self.gguf, self.block_size = target, server, gguf, block_size
+
+    @classmethod
+    def check(cls, settings: DecodeSettings, lookup_flag: str | None = None) -> None:
+        """One-line errors for what only the torch engine does."""
+        settings.validate()
+        if settings.loop_stages != 1:
+            raise FlashdraftError("--loop-stages (DLoop) runs on the torch engine only; drop it or use --engine torch")
+        if lookup_flag:
+            raise FlashdraftError(f"{lookup_flag} is for --engine torch (llama.cpp drafts every cycle); drop it")
+        if settings.tree is not None:
+            raise FlashdraftError("--tree is for --engine torch (llama.cpp verifies a chain); drop it")
+
+    @classmethod
+    def open(cls, target, drafter: str | Path | None = None, settings: DecodeSettings | None = None, *,
+             plain: bool = False, gguf: str | Gguf = "f32", threads: int | None = None,
+             ctx: int = 4096) -> LlamaCppEngine:
+        """gguf: the target file (an outtype exported once, `packaged`, a path, or a resolved Gguf); threads: llama.cpp
+        threads (default all cores); ctx: the server's context."""
+        tool("llama-server")  # fail before any export when llama.cpp is not built
+        file = gguf if isinstance(gguf, Gguf) else resolve_ggufs([gguf], target.name)[0]
+        if plain:
+            return cls(target, LlamaServer(file.path, threads=threads, ctx=ctx), file, 1)
+        src, block = drafter_block(target, drafter, (settings or DEFAULTS).block_size)
+        drafter_gguf = cached_export("drafter", src, "f32", target.name) if block > 1 else None
+        server = LlamaServer(file.path, drafter_gguf, block if drafter_gguf else None, threads, ctx)
+        return cls(target, server, file, block)
+
+    def generate(self, prompt_ids: list[int], settings: DecodeSettings,
+                 on_tokens: Callable[[list[int]], None] | None = None) -> LlamaCppResult:
+        """Greedy at temperature 0, else the same temperature / top-k / top-p as flashdraft; the server's own EOS."""
+        s = settings
+        c = self.server.complete(prompt_ids, s.max_new_tokens, s.temperature, s.top_k, s.top_p, s.seed)
+        config = {"engine": "llamacpp", "gguf": str(self.gguf.path), "block_size": self.block_size}
+        result = LlamaCppResult(c.tokens, len(prompt_ids), c.prompt_ms, c.predicted_ms, c.draft_ms, config,
+                                c.acceptance_lengths, self.target.decode(c.tokens))
+        if on_tokens and c.tokens:
+            on_tokens(c.tokens)  # the server answers in one piece
+        return result
+
+    def describe(self, result: LlamaCppResult) -> str:
+        """The summary line's account of a generation."""
+        acc = result.acceptance_lengths
+        tau = sum(acc) / len(acc) if acc else 1.0
+        return (f"τ {tau:.2f} over {len(acc)} cycles, {result.timing.tokens_per_s:.1f} tok/s "
+                f"(llama.cpp, {self.gguf.label}, block {self.block_size})")
+
+    def close(self) -> None:
+        self.server.close()
+
+    def __enter__(self) -> LlamaCppEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
