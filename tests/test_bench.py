@@ -9,6 +9,7 @@ import pytest
 from flashdraft.bench import methods, report, runs
 from flashdraft.checkpoint import save_drafter
 from flashdraft.cli import main
+from flashdraft.errors import FlashdraftError
 from helpers import VOCAB, random_drafter, tiny_target
 
 
@@ -200,3 +201,18 @@ def test_stop_token_ids_are_honoured_and_recorded(dirs, tmp_path):
     s = json.loads((out / "summary.json").read_text())
     assert s["config"]["stop_token_ids"] == [stop] and not s["correctness"]["failed"]
     assert "stop_token_ids" not in json.loads((first / "summary.json").read_text())["config"]
+
+
+def test_load_records_drops_only_a_torn_last_line(tmp_path, capsys):
+    """A torn last line (no newline: an interrupted append) is dropped with a warning; any other bad line is an error
+    that leaves the file as it was."""
+    path = tmp_path / "samples.jsonl"
+    good = [json.dumps({"dataset": "d", "id": str(i), "method": "ar", "turns": []}) for i in range(3)]
+    path.write_text("\n".join(good) + "\n" + '{"dataset": "d", "id": "x", "meth')
+    assert [r["id"] for r in runs.load_records(path)] == ["0", "1", "2"]
+    assert "torn last line" in capsys.readouterr().err and path.read_text() == "\n".join(good) + "\n"
+    for bad in ["\n".join([good[0], "not json", good[1]]) + "\n", "\n".join(good) + "\n{broken\n"]:
+        path.write_text(bad)
+        with pytest.raises(FlashdraftError, match=r"samples.jsonl:\d+: not a JSON record"):
+            runs.load_records(path)
+        assert path.read_text() == bad  # nothing lost

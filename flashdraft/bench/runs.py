@@ -21,19 +21,25 @@ limit_clock = time.monotonic  # what --limit-time is measured with (a seam for t
 # ---------------------------------------------------------------- results directory
 
 def load_records(path: Path) -> list[dict]:
-    """Finished samples; a torn last line (crash mid-append) is dropped and the file repaired."""
+    """Finished samples. Only a torn last line (a crash mid-append: no newline after it) may be unreadable: it is
+    dropped with a warning and the file repaired; any other unreadable line is an error that changes nothing."""
     if not path.is_file():
         return []
     text = path.read_text()
-    records, good = [], []
-    for line in text.splitlines():
+    lines = text.split("\n")  # not splitlines(): U+2028 may sit inside JSON strings
+    records = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
         try:
             records.append(json.loads(line))
-            good.append(line)
-        except json.JSONDecodeError:
-            continue
-    if len(good) != len([ln for ln in text.splitlines() if ln.strip()]) or (text and not text.endswith("\n")):
-        write_text(path, "".join(ln + "\n" for ln in good))
+        except json.JSONDecodeError as e:
+            if n < len(lines):  # a complete line (a newline follows it) that is not JSON: not ours to drop
+                raise FlashdraftError(f"{path}:{n}: not a JSON record ({e.msg}); fix or remove that line, or use "
+                                      "another --out") from None
+            print(f"flashdraft: warning: {path}:{n}: dropped a torn last line (an interrupted write); its sample "
+                  "runs again", file=sys.stderr)
+            write_text(path, "\n".join(lines[:-1]) + "\n" if n > 1 else "")
     return records
 
 

@@ -1,4 +1,4 @@
-"""`flashdraft …` command line: one module per command (generate, bench, export, serve, train, trace), argparse only.
+"""`flashdraft …` command line: one module per command (generate, bench, load, export, serve, train, trace), argparse only.
 
 Each command module has add_<command>(subparsers) and cmd_<command>(args); heavy imports wait until a command runs.
 """
@@ -12,6 +12,7 @@ from ..errors import FlashdraftError
 from .bench import add_bench
 from .export import add_export
 from .generate import add_generate
+from .load import add_load
 from .serve import add_serve
 from .trace import add_trace
 from .train import add_train_commands
@@ -26,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_commands(sub)
     add_bench(sub)
     add_serve(sub)
+    add_load(sub)
     add_export(sub)
     add_trace(sub)
     return parser

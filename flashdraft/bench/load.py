@@ -1,0 +1,212 @@
+"""`flashdraft bench load`: N concurrent streaming clients against `flashdraft serve`, per decoding mode and load.
+
+For each mode (plain batched: block size 1; fixed: every request at its block; adaptive: the default) a server is
+started on the same target, prompts and settings; for each concurrency N, N client threads send chat requests from
+the dataset (each client its own slice, in order) and the run reports output tokens/s, requests/s, p50/p95 latency
+and time to first token. With --busy K, K processes spin on the CPU throughout (contention). --url drives a server
+that is already running instead (one mode, labelled by --label).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import multiprocessing
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+from ..errors import FlashdraftError
+
+MODES = {"plain": ["--block-size", "1"], "fixed": ["--fixed-block"], "adaptive": []}
+
+
+@dataclass
+class Outcome:
+    """One streamed request as a client saw it."""
+
+    ok: bool
+    tokens: int = 0
+    latency_s: float = 0.0
+    ttft_s: float | None = None
+    error: str = ""
+
+
+def pct(values: list[float], p: float) -> float | None:
+    """Nearest-rank percentile."""
+    if not values:
+        return None
+    s = sorted(values)
+    return s[max(0, math.ceil(p / 100 * len(s)) - 1)]
+
+
+def stream_chat(url: str, model: str, prompt: str, max_tokens: int, timeout: float) -> Outcome:
+    """POST a streaming chat completion; time the first content chunk and the end; count completion tokens."""
+    u = urlparse(url)
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+                       "temperature": 0, "stream": True, "stream_options": {"include_usage": True}})
+    t0 = time.perf_counter()
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    try:
+        conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            return Outcome(False, error=f"HTTP {resp.status}")
+        ttft, tokens = None, 0
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                return Outcome(False, error=chunk["error"].get("message", "error"))
+            if ttft is None and any((c.get("delta") or {}).get("content") for c in chunk.get("choices", [])):
+                ttft = time.perf_counter() - t0
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+        return Outcome(True, tokens, time.perf_counter() - t0, ttft)
+    except (OSError, http.client.HTTPException) as e:
+        return Outcome(False, error=type(e).__name__)
+    finally:
+        conn.close()
+
+
+def run_clients(url: str, model: str, prompts: list[str], clients: int, max_tokens: int,
+                timeout: float) -> tuple[list[Outcome], float]:
+    """`clients` threads, client c sending prompts c, c + clients, … one after another → (outcomes, wall seconds)."""
+    outcomes: list[Outcome] = []
+    lock = threading.Lock()
+
+    def client(c: int) -> None:
+        for p in prompts[c::clients]:
+            out = stream_chat(url, model, p, max_tokens, timeout)
+            with lock:
+                outcomes.append(out)
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return outcomes, time.perf_counter() - t0
+
+
+def summarize(outcomes: list[Outcome], wall_s: float) -> dict:
+    ok = [o for o in outcomes if o.ok]
+    lat, ttft = [o.latency_s for o in ok], [o.ttft_s for o in ok if o.ttft_s is not None]
+    return {"requests": len(outcomes), "ok": len(ok), "errors": sorted({o.error for o in outcomes if not o.ok}),
+            "output_tokens": sum(o.tokens for o in ok), "wall_s": round(wall_s, 3),
+            "tokens_per_s": round(sum(o.tokens for o in ok) / wall_s, 3) if wall_s else 0.0,
+            "requests_per_s": round(len(ok) / wall_s, 4) if wall_s else 0.0,
+            "latency_p50_s": pct(lat, 50), "latency_p95_s": pct(lat, 95),
+            "ttft_p50_s": pct(ttft, 50), "ttft_p95_s": pct(ttft, 95)}
+
+
+def spin() -> None:
+    """A busy background process (contention)."""
+    while True:
+        pass
+
+
+def busy(k: int) -> list[multiprocessing.Process]:
+    procs = [multiprocessing.Process(target=spin, daemon=True) for _ in range(k)]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def start_server(serve_args: list[str], mode: str, startup_s: float = 600) -> tuple[subprocess.Popen, str]:
+    """`flashdraft serve --port 0 …` for one mode; returns the process and its base URL once /health answers."""
+    cmd = [sys.executable, "-m", "flashdraft.cli", "serve", "--port", "0", *serve_args, *MODES[mode]]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    end = time.monotonic() + startup_s
+    for line in proc.stderr:
+        if "serving" in line and "http://" in line:
+            url = line.split("http://", 1)[1].split("/v1")[0]
+            threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()  # keep the pipe drained
+            return proc, "http://" + url
+        if time.monotonic() > end:
+            break
+    proc.kill()
+    raise FlashdraftError(f"the {mode} server did not start: {' '.join(cmd)}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def served_model(url: str) -> str:
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    conn.request("GET", "/v1/models")
+    return json.loads(conn.getresponse().read())["data"][0]["id"]
+
+
+def run_load(datasets: dict[str, list[str]], modes: list[str], concurrency: list[int], busy_counts: list[int],
+             max_tokens: int, serve_args: list[str], url: str | None, label: str, requests_per_client: int,
+             timeout: float = 1800) -> list[dict]:
+    """Every (load, mode, dataset, concurrency) on the same prompts → one summary row each."""
+    rows = []
+    for k in busy_counts:
+        for mode in ([label] if url else modes):
+            proc, base = (None, url) if url else start_server(serve_args, mode)
+            try:
+                model = served_model(base)
+                first = next(iter(datasets.values()))
+                run_clients(base, model, first[:2], 2, 16, timeout)  # warm-up, two at once
+                for name, prompts in datasets.items():
+                    for n in concurrency:
+                        rows.append(measure(base, model, prompts[: n * requests_per_client], n, k, max_tokens,
+                                            timeout) | {"mode": mode, "dataset": name})
+                        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+            finally:
+                if proc is not None:
+                    stop_server(proc)
+    return rows
+
+
+def measure(url: str, model: str, prompts: list[str], clients: int, busy_count: int, max_tokens: int,
+            timeout: float) -> dict:
+    """One load point: `clients` concurrent clients over `prompts`, with busy_count spinning processes."""
+    procs = busy(busy_count)
+    try:
+        outcomes, wall = run_clients(url, model, prompts, clients, max_tokens, timeout)
+    finally:
+        for p in procs:
+            p.terminate()
+    return {"busy": busy_count, "concurrency": clients, **summarize(outcomes, wall)}
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown: one line per run, and each mode's throughput relative to plain batched at the same load."""
+    key = lambda r: (r["dataset"], r["busy"], r["concurrency"])  # noqa: E731
+    plain = {key(r): r["tokens_per_s"] for r in rows if r["mode"] == "plain"}
+    out = ["| dataset | busy | concurrency | mode | output tok/s | vs plain | req/s | p50 latency s | p95 latency s | "
+           "p50 TTFT s | p95 TTFT s | ok |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (*key(r), r["mode"])):
+        base = plain.get(key(r))
+        rel = f"{r['tokens_per_s'] / base:.2f}×" if base else ""
+        f = lambda v: "" if v is None else f"{v:.2f}"  # noqa: E731
+        out.append(f"| {r['dataset']} | {r['busy']} | {r['concurrency']} | {r['mode']} | {r['tokens_per_s']:.1f} | {rel} | "
+                   f"{r['requests_per_s']:.3f} | {f(r['latency_p50_s'])} | {f(r['latency_p95_s'])} | "
+                   f"{f(r['ttft_p50_s'])} | {f(r['ttft_p95_s'])} | {r['ok']}/{r['requests']} |")
+    return "\n".join(out) + "\n"
+
+
+def write_results(out: Path, rows: list[dict], config: dict) -> None:
+    from ..atomic import write_text
+
+    out.mkdir(parents=True, exist_ok=True)
+    write_text(out / "load.json", json.dumps({"config": config, "runs": rows}, indent=1) + "\n")
+    write_text(out / "load.md", table(rows))
