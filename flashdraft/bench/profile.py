@@ -27,7 +27,8 @@ from ..models import load_drafter_for, registered_drafter
 from .datasets import Prompt, encode_turn
 from .methods import DRAFTER_METHODS, LLAMACPP_METHODS
 from .runs import load_records, progress
-from .variants import Variant, ctx_for
+from ..engines.llamacpp import server_context
+from .variants import Variant
 
 
 def check_profile_args(model, block_sizes: list[int], prompt_ids: list[int], tokens: int,
@@ -235,7 +236,7 @@ def run_profile(target, variants: list[Variant], datasets: dict[str, list[Prompt
                     src = registered_drafter(target.name) if d == "registered" else Path(d)
                     drafter_gguf = cached_export("drafter", src, "f32", target.name)
                     blocks = [b for b in PROFILE_BLOCKS if b <= load_config(src).block_size]
-                prof = measure_llamacpp(Path(f), drafter_gguf, blocks, ids, threads, tokens, ctx_for(target))
+                prof = measure_llamacpp(Path(f), drafter_gguf, blocks, ids, threads, tokens, server_context(target))
                 same = [v.label for v in mine if v.desc.get("gguf") == f]
                 taus = measured_taus(records, same or [v.label for v in mine], by_label)
                 rows.append({"label": f"llama.cpp {Path(f).name} · {name}", "drafter": d, **prof,

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..engines import get_engine
 from ..errors import FlashdraftError
+from ..engines.llamacpp import server_context
 from ..llamacpp.gguf import Gguf
 from .methods import DRAFTER_METHODS, LLAMACPP_METHODS, MethodSettings
 
@@ -46,13 +47,6 @@ def variant_label(m: str, kind: str, parts: list[str]) -> str:
     """`dflash2[name,b8,s2,g-0.75]`, `llamacpp-dflash2[f32,name,b8]`: drafter methods are labelled by drafter kind."""
     head = {"dflash": kind, "llamacpp-dflash": f"llamacpp-{kind}"}.get(m, m)
     return f"{head}[{','.join(parts)}]" if parts else head
-
-
-def ctx_for(target) -> int:
-    """llama-server's context: the target's, capped where its KV cache would only waste memory here."""
-    from ..target import context_limit
-
-    return min(context_limit(target.model), 8192)
 
 
 def torch_variants(m: str, kind: str, parts: list[str], desc: dict, base: MethodSettings,
@@ -99,7 +93,7 @@ def drafter_variants(target, m: str, base: MethodSettings, sweep: Sweep, gguf: G
                 out += torch_variants(m, kind, parts, desc, replace(base, decode=decode, drafter=drafter), sweep)
                 continue
             engine = get_engine("llamacpp").open(target, d, decode, gguf=gguf, threads=sweep.threads,
-                                                 ctx=ctx_for(target))
+                                                 ctx=server_context(target))
             engines.append(engine)
             desc |= {"gguf": str(gguf.path), "baseline": variant_label("llamacpp", "", [gguf.label])}
             out.append(Variant(variant_label(m, kind, [gguf.label] + parts), m,
@@ -120,7 +114,7 @@ def build_variants(target, methods: list[str], base: MethodSettings, sweep: Swee
                 out += drafter_variants(target, m, base, sweep, g, engines)
             elif g is not None:
                 engine = get_engine("llamacpp").open(target, plain=True, gguf=g, threads=sweep.threads,
-                                                     ctx=ctx_for(target))
+                                                     ctx=server_context(target))
                 engines.append(engine)
                 out.append(Variant(variant_label(m, "", [g.label]), m, replace(base, engine=engine),
                                    {"method": m, "gguf": str(g.path)}))

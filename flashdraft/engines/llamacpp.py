@@ -55,6 +55,16 @@ class LlamaCppResult:
                 "timing": asdict(self.timing), "config": self.config}
 
 
+MAX_CTX = 8192  # llama-server allocates its whole KV cache up front: beyond this it only wastes memory here
+
+
+def server_context(target) -> int:
+    """llama-server's context: the target's (what prompts are checked against), capped at MAX_CTX."""
+    from ..target import context_limit
+
+    return min(context_limit(target.model), MAX_CTX)
+
+
 def drafter_block(target, drafter: str | Path | None, block_size: int | None) -> tuple[Path | None, int]:
     """(drafter directory, block size) for llama.cpp's DFlash; block 1 decodes plainly. The registered drafter runs
     at the registry's llama.cpp block size, any other at its trained one unless block_size says otherwise."""
@@ -98,14 +108,18 @@ class LlamaCppEngine:
             raise FlashdraftError(f"{lookup_flag} is for --engine torch (llama.cpp drafts every cycle); drop it")
         if settings.tree is not None:
             raise FlashdraftError("--tree is for --engine torch (llama.cpp verifies a chain); drop it")
+        if settings.stop_token_ids is not None:
+            raise FlashdraftError("--stop-token-ids is for --engine torch: llama-server stops at the model's own "
+                                  "end-of-generation tokens; drop it")
 
     @classmethod
     def open(cls, target, drafter: str | Path | None = None, settings: DecodeSettings | None = None, *,
              plain: bool = False, gguf: str | Gguf = "f32", threads: int | None = None,
-             ctx: int = 4096) -> LlamaCppEngine:
+             ctx: int | None = None) -> LlamaCppEngine:
         """gguf: the target file (an outtype exported once, `packaged`, a path, or a resolved Gguf); threads: llama.cpp
-        threads (default all cores); ctx: the server's context."""
+        threads (default all cores); ctx: the server's context (default: the target's, capped at MAX_CTX)."""
         tool("llama-server")  # fail before any export when llama.cpp is not built
+        ctx = ctx or server_context(target)
         file = gguf if isinstance(gguf, Gguf) else resolve_ggufs([gguf], target.name)[0]
         if plain:
             return cls(target, LlamaServer(file.path, threads=threads, ctx=ctx), file, 1)
@@ -117,8 +131,13 @@ class LlamaCppEngine:
     def generate(self, prompt_ids: list[int], settings: DecodeSettings,
                  on_tokens: Callable[[list[int]], None] | None = None) -> LlamaCppResult:
         """Greedy at temperature 0, else the same temperature / top-k / top-p as flashdraft; the server's own EOS."""
-        s = settings
-        c = self.server.complete(prompt_ids, s.max_new_tokens, s.temperature, s.top_k, s.top_p, s.seed)
+        s, ctx = settings, self.server.ctx
+        if len(prompt_ids) >= ctx:
+            raise FlashdraftError(f"the prompt has {len(prompt_ids)} tokens but llama-server runs with a context of {ctx}; "
+                                  "shorten the prompt or use --engine torch")
+        # like the torch engine, stop at the context's end (llama-server would otherwise shift the context)
+        c = self.server.complete(prompt_ids, min(s.max_new_tokens, ctx - len(prompt_ids)), s.temperature, s.top_k,
+                                 s.top_p, s.seed)
         config = {"engine": "llamacpp", "gguf": str(self.gguf.path), "block_size": self.block_size}
         result = LlamaCppResult(c.tokens, len(prompt_ids), c.prompt_ms, c.predicted_ms, c.draft_ms, config,
                                 c.acceptance_lengths, self.target.decode(c.tokens))

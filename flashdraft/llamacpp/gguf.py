@@ -29,6 +29,9 @@ def check_writable(out: Path) -> None:
         raise FlashdraftError(f"cannot write {out}: permission denied; choose a writable path")
 
 
+CONVERT_TIMEOUT_S = 1800  # a 135M model converts in seconds; hours would mean a hang, not a big model
+
+
 def convert(model_dir: Path, out: Path, outtype: str, target_dir: Path | None = None) -> Path:
     """Run llama.cpp's converter on a HF directory (a target, or a drafter with its target), writing out atomically."""
     if outtype not in OUTTYPES:
@@ -42,7 +45,11 @@ def convert(model_dir: Path, out: Path, outtype: str, target_dir: Path | None = 
     if target_dir is not None:
         cmd += ["--target-model-dir", str(target_dir)]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=CONVERT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise FlashdraftError(f"llama.cpp's converter did not finish {model_dir} within {CONVERT_TIMEOUT_S} s; "
+                                  "check the machine's load and free memory, then retry") from None
         if proc.returncode != 0:
             lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
             raise FlashdraftError(f"llama.cpp's converter failed on {model_dir}: {lines[-1] if lines else proc.returncode}")

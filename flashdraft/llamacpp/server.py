@@ -10,7 +10,6 @@ import functools
 import json
 import os
 import re
-import socket
 import subprocess
 import tempfile
 import time
@@ -35,6 +34,7 @@ class Completion:
 
 
 ACCEPTED = re.compile(r"accepted\s+(\d+)/\s*(\d+) draft tokens")
+LISTENING = re.compile(r"listening on (http://[\w.:\[\]]+)")
 DRAFT_DUR = re.compile(r"draft-dflash: .*dur\(b,g,a\) = ([\d.]+), ([\d.]+), ([\d.]+) ms")
 
 
@@ -47,10 +47,15 @@ def cpu_has_amx() -> bool:
         return False
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def check_counts(lengths: list[int], drafted: int, timings: dict) -> None:
+    """The per-cycle counts read from the log must add up to the totals the server's API reports (draft_n,
+    draft_n_accepted): a build that logs in another format fails here, loudly, instead of reporting τ 1.00."""
+    want = (int(timings.get("draft_n", 0)), int(timings.get("draft_n_accepted", 0)))
+    got = (drafted, sum(lengths) - len(lengths))
+    if got != want:
+        raise FlashdraftError(f"could not read llama-server's per-cycle acceptance from its log (read {got[1]} of "
+                              f"{got[0]} drafts accepted, its API reports {want[1]} of {want[0]}); this build logs "
+                              "in another format: use the pinned build (make llamacpp)")
 
 
 class LlamaServer:
@@ -77,25 +82,34 @@ class LlamaServer:
     def start(self) -> "LlamaServer":
         if self.proc is not None:
             return self
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
         self.log = tempfile.NamedTemporaryFile(prefix="llama-server.", suffix=".log", delete=False)
-        env = {**os.environ, "LLAMA_TRACE": "1"}  # per-cycle "accepted k/n draft tokens" lines
-        self.proc = subprocess.Popen(self.command(port), stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + self.startup_s
+        try:  # whatever stops the start (a missing binary, a crash, Ctrl-C), the process and its log go
+            env = {**os.environ, "LLAMA_TRACE": "1"}  # per-cycle "accepted k/n draft tokens" lines
+            # port 0: the server binds a free port itself and logs it (no window for another process to take it)
+            self.proc = subprocess.Popen(self.command(0), stdout=self.log, stderr=subprocess.STDOUT, env=env)
+            self.wait_healthy(time.monotonic() + self.startup_s)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def wait_healthy(self, deadline: float) -> None:
+        """Read the bound address from the log, then wait for /health."""
+        self.url = None
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                why = self.last_error()
-                self.close()
-                raise FlashdraftError(f"llama-server exited while loading {self.model.name}: {why}")
+                raise FlashdraftError(f"llama-server exited while loading {self.model.name}: {self.last_error()}")
+            if self.url is None:
+                found = LISTENING.search(Path(self.log.name).read_text(errors="replace"))
+                self.url = found.group(1) if found else None
             try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return self
+                if self.url is not None:
+                    with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                        if r.status == 200:
+                            return
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             time.sleep(0.2)
-        self.close()
         raise FlashdraftError(f"llama-server did not come up within {self.startup_s:.0f}s for {self.model.name}")
 
     def last_error(self) -> str:
@@ -127,11 +141,12 @@ class LlamaServer:
         t = res["timings"]
         out = Completion(list(res["tokens"]), float(t["prompt_ms"]), float(t["predicted_ms"]))
         if self.drafter is not None:
-            out.acceptance_lengths, out.draft_ms = self.read_cycles()
+            out.acceptance_lengths, drafted, out.draft_ms = self.read_cycles()
+            check_counts(out.acceptance_lengths, drafted, t)
         return out
 
-    def read_cycles(self) -> tuple[list[int], float]:
-        """Per-cycle acceptance lengths and drafting ms of the request just finished, from the server's log."""
+    def read_cycles(self) -> tuple[list[int], int, float]:
+        """Per-cycle acceptance lengths, drafts made and drafting ms of the request just finished, from the log."""
         deadline = time.monotonic() + 10
         raw = self.new_log()
         while b"release:" not in raw and time.monotonic() < deadline:  # the log is written asynchronously
@@ -141,13 +156,13 @@ class LlamaServer:
         raw = raw if end < 0 else raw[: end + len(b"release:")]
         self.log_pos += len(raw)
         text = raw.decode(errors="replace")
-        lengths = [int(k) + 1 for k, _ in ACCEPTED.findall(text)]
+        counts = [(int(k), int(n)) for k, n in ACCEPTED.findall(text)]
         durs = DRAFT_DUR.findall(text)
         draft_ms = 0.0
         if durs:  # cumulative over the server's life
             total = float(durs[-1][1])
             draft_ms, self.draft_total = total - self.draft_total, total
-        return lengths, draft_ms
+        return [k + 1 for k, _ in counts], sum(n for _, n in counts), draft_ms
 
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
