@@ -220,3 +220,17 @@ def test_bad_batch_arguments():
         generate_batch(target, None, [[1, 2]], max_batch=0)
     with pytest.raises(FlashdraftError, match="settings for"):
         generate_batch(target, None, [[1, 2]], [DecodeSettings(), DecodeSettings()])
+
+
+def test_python_api_generate_batch_takes_text_and_ids(tmp_path):
+    import flashdraft
+    from helpers import save_tiny_model_dir
+
+    save_tiny_model_dir(tmp_path / "t")
+    target = flashdraft.load_target(str(tmp_path / "t"))
+    drafter = random_drafter(target.model, block_size=4)
+    prompts = ["t5 t6 t7 t5 t6", [5, 9, 11, 40, 3]]
+    res = flashdraft.generate_batch(target, drafter, prompts, max_new_tokens=16, max_batch=2)
+    for p, r in zip(prompts, res):
+        alone = flashdraft.generate(target, drafter, p, max_new_tokens=16)
+        assert r.output_ids == alone.output_ids and r.text == alone.text

@@ -231,12 +231,8 @@ class BatchDecoder:
 
     def result(self, q: Sequence) -> GenerationResult:
         """The sequence's record, as Session.finish gives it (config: the settings it ran with)."""
-        s = q.settings
         q.timing.close(time.perf_counter() - q.t0, len(q.output))
-        config = {"block_size": s.block_size, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
-                  "seed": s.seed, "loop_stages": s.loop_stages, "loop_gate": s.loop_gate,
-                  "lookup": s.lookup if s.block_size > 1 else False, "tree": s.tree if self.trees(q) else 0,
-                  "adaptive": isinstance(self.policy, AdaptivePolicy)}
+        config = q.settings.record(self.trees(q)) | {"adaptive": isinstance(self.policy, AdaptivePolicy)}
         return GenerationResult(q.output, q.state.num_prompt_tokens, q.cycles, q.timing, config)
 
 

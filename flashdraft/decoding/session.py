@@ -114,12 +114,9 @@ class Session:
             yield self.step()
 
     def finish(self) -> GenerationResult:
-        s = self.settings
         self.timing.close(time.perf_counter() - self.t0, len(self.output))
-        config = {"block_size": s.block_size, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
-                  "seed": s.seed, "loop_stages": s.loop_stages, "loop_gate": s.loop_gate,
-                  "lookup": s.lookup if s.block_size > 1 else False, "tree": s.tree if self.trees else 0}
-        return GenerationResult(self.output, self.state.num_prompt_tokens, self.cycles, self.timing, config)
+        return GenerationResult(self.output, self.state.num_prompt_tokens, self.cycles, self.timing,
+                                self.settings.record(self.trees))
 
 
 def generate_ids(model: PreTrainedModel, drafter: torch.nn.Module | None, prompt_ids: list[int],

@@ -89,6 +89,13 @@ class DecodeSettings:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def record(self, trees: bool) -> dict:
+        """The `config` of a generation's record (docs/design.md §7), for resolved settings; trees: whether draft
+        trees actually ran (greedy, a cache that can compact a path)."""
+        return {"block_size": self.block_size, "temperature": self.temperature, "top_p": self.top_p,
+                "top_k": self.top_k, "seed": self.seed, "loop_stages": self.loop_stages, "loop_gate": self.loop_gate,
+                "lookup": self.lookup if self.block_size > 1 else False, "tree": self.tree if trees else 0}
+
 
 SETTING_NAMES = tuple(f.name for f in fields(DecodeSettings))
 DEFAULTS = DecodeSettings()
