@@ -234,3 +234,45 @@ def test_python_api_generate_batch_takes_text_and_ids(tmp_path):
     for p, r in zip(prompts, res):
         alone = flashdraft.generate(target, drafter, p, max_new_tokens=16)
         assert r.output_ids == alone.output_ids and r.text == alone.text
+
+
+REAL_PROMPTS = ["What is 17 * 23?", "Write a Python function that reverses a string.", "Name three colors.",
+                "Explain what a hash table is in one sentence.", "Give me a synonym for happy.",
+                "What is the capital of France?", "A train travels 60 km per hour for 2.5 hours. How far does it go?",
+                "Translate 'good morning' into French.", "Write a haiku about autumn leaves.",
+                "Sort these numbers: 42, 7, 19, 3, 88.", "What is photosynthesis?",
+                "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+                "How many clips did Natalia sell altogether in April and May?",
+                "Write a SQL query that counts rows in a table named users.", "List the planets of the solar system.",
+                "Why is the sky blue?", "Give two tips for writing clean code.", "What is 2 to the power of 10?",
+                "Describe a cat in one sentence.", "Weng earns $12 an hour for babysitting. Yesterday, she just did "
+                "50 minutes of babysitting. How much did she earn?", "What does HTTP stand for?"]
+
+
+@pytest.mark.slow
+def test_real_target_batched_outputs_equal_its_own_greedy():
+    """The default target and its shipped drafter, 20 prompts, 8 at a time, adaptive: every output equals an
+    unmodified transformers model's greedy decoding of that prompt alone, or diverges at a reported near-tie."""
+    from transformers import AutoModelForCausalLM
+
+    from flashdraft.models import load_drafter_for, load_target, resolve_target
+
+    torch.set_num_threads(2)
+    target = load_target(dtype="float32")
+    drafter = load_drafter_for(target, None)
+    reference = AutoModelForCausalLM.from_pretrained(resolve_target(None), dtype=torch.float32).eval()
+    ids = [target.encode(p) for p in REAL_PROMPTS]
+    refs = []
+    for x in ids:
+        ref = hf_greedy(reference, x, 48)
+        refs.append(ref[: ref.index(2) + 1] if 2 in ref else ref)  # the target's EOS, where generate stops
+    for adaptive in (False, True):  # fixed: every row drafts, so acceptance is ragged across the batch
+        res = generate_batch(target.model, drafter, ids, max_new_tokens=48, max_batch=8, adaptive=adaptive,
+                             stop_token_ids=target.stop_token_ids())
+        for x, r, ref in zip(ids, res, refs):
+            assert_greedy_lossless(reference, x, r.output_ids, ref)  # a divergence must be a near-tie, reported
+        identical = sum(r.output_ids == ref for r, ref in zip(res, refs))
+        assert identical >= 19, f"only {identical}/20 identical (adaptive={adaptive})"
+        if not adaptive:
+            assert sum(r.tau for r in res) / len(res) > 1.5  # the shipped drafter's drafts were verified
+            assert len({c.accepted for r in res for c in r.cycles}) > 2  # ragged: rows kept different prefixes
