@@ -39,16 +39,24 @@ def start(request, *args: str) -> Server:
 @pytest.fixture(scope="module")
 def server(request, dirs):
     target, drafter = dirs
-    return start(request, "--target", str(target), "--drafter", str(drafter), "--max-queue", "2",
+    return start(request, "--target", str(target), "--drafter", str(drafter), "--max-batch", "3", "--max-queue", "2",
                  "--request-timeout", "120")
 
 
 @pytest.fixture(scope="module")
 def tight(request, dirs):
-    """Small limits: one waiting request, a 5 s request timeout, 4 KiB bodies."""
+    """Small limits: one request at a time, one waiting, a 5 s request timeout, 4 KiB bodies."""
     target, drafter = dirs
-    return start(request, "--target", str(target), "--drafter", str(drafter), "--max-queue", "1",
+    return start(request, "--target", str(target), "--drafter", str(drafter), "--max-batch", "1", "--max-queue", "1",
                  "--request-timeout", "5", "--max-body-bytes", "4096")
+
+
+@pytest.fixture(scope="module")
+def fixed(request, dirs):
+    """--fixed-block: every cycle verifies the request's block, so its cycles equal `generate`'s at any load."""
+    target, drafter = dirs
+    return start(request, "--target", str(target), "--drafter", str(drafter), "--fixed-block", "--max-batch", "5",
+                 "--request-timeout", "8")
 
 
 def client_for(server: Server, timeout: float = 60) -> openai.OpenAI:
@@ -126,9 +134,11 @@ def test_models_health_metrics(server, client):
     assert "# TYPE flashdraft_requests_total counter" in text and headers["content-type"].startswith("text/plain")
 
 
-def test_chat_equals_generate(client, refs):
+@pytest.mark.parametrize("fixed_block", [False, True])
+def test_chat_equals_generate(server, fixed, refs, fixed_block):
+    """Adaptive widths (the default) change a request's cycles, never its output; --fixed-block keeps the cycles."""
     rec = refs["chat"]
-    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello there"}],
+    resp = client_for(fixed if fixed_block else server).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello there"}],
                                           max_tokens=40, temperature=0)
     assert ext(resp)["output_ids"] == rec["output_ids"]
     assert resp.choices[0].message.content == rec["text"] and resp.choices[0].message.role == "assistant"
@@ -136,8 +146,10 @@ def test_chat_equals_generate(client, refs):
     assert (resp.usage.prompt_tokens, resp.usage.completion_tokens, resp.usage.total_tokens) == \
         (rec["num_prompt_tokens"], 40, rec["num_prompt_tokens"] + 40)
     x = ext(resp)
-    assert x["acceptance_lengths"] == rec["acceptance_lengths"] and x["block_size"] == 4
-    assert x["tau"] == pytest.approx(sum(rec["acceptance_lengths"]) / len(rec["acceptance_lengths"]))
+    assert x["block_size"] == 4 and x["tau"] == pytest.approx(sum(x["acceptance_lengths"]) / len(x["acceptance_lengths"]))
+    assert sum(x["acceptance_lengths"]) == 39  # the first token comes from the prefill
+    if fixed_block:
+        assert x["acceptance_lengths"] == rec["acceptance_lengths"]
     assert set(x["timing"]) >= {"prefill_s", "draft_s", "verify_s", "other_s", "total_s", "queue_s"}
     assert x["timing"]["verify_s"] > 0 and x["timing"]["draft_s"] > 0
 
@@ -317,9 +329,12 @@ def test_disconnect_non_streaming_frees_the_slot(server, client):
 
 def test_queue_full_gets_429_never_a_hang(server):
     socks = [raw_post(server.port, "/v1/completions", {"model": MODEL, "prompt": p, "max_tokens": LONG})
-             for p in "abc"]  # one decoding, two waiting: the bound of --max-queue 2
+             for p in "abcde"]  # three decoding together (--max-batch 3), two waiting: the bound of --max-queue 2
     try:
-        wait_until(lambda: server.request("GET", "/health")[1]["queued"] == 2, 15, "one running, two waiting")
+        wait_until(lambda: server.request("GET", "/health")[1] | {"status": 0} == {"status": 0, "model": MODEL,
+                                                                                  "queued": 2, "running": 3},
+                   15, "three running, two waiting")
+        assert server.metrics()["flashdraft_batch_size"] == 3
         before = server.metrics()['flashdraft_requests_total{outcome="rejected"}']
         t0 = time.monotonic()
         status, resp, headers = server.request("POST", "/v1/completions", {"model": MODEL, "prompt": "d"})
@@ -358,7 +373,7 @@ def test_sigterm_finishes_admitted_work_cancels_the_rest_and_exits_0(request, di
     short = client.completions.create(model=MODEL, prompt="short", max_tokens=40, temperature=0, stream=True)
     first = next(iter(short))
     long = raw_post(srv.port, "/v1/completions", {"model": MODEL, "prompt": "long", "max_tokens": LONG})
-    wait_until(lambda: srv.request("GET", "/health")[1]["queued"] >= 1, 15, "the long request to be queued")
+    wait_until(lambda: srv.request("GET", "/health")[1]["running"] == 2, 15, "the long request to join the batch")
     srv.proc.terminate()
     try:  # new work is refused: 503 while draining, or no connection once the listener is closed
         status = srv.request("POST", "/v1/completions", {"model": MODEL, "prompt": "new"}, timeout=10)[0]
