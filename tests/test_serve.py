@@ -12,12 +12,15 @@ import time
 
 import openai
 import pytest
-from serve_helpers import Server, cli_generate, make_model_dirs
+import torch
+from helpers import random_drafter, tiny_target
+from serve_helpers import Server, char_tokenizer, cli_generate, make_model_dirs
 from serve_load import Case, references, run_load
 
 import flashdraft
 from flashdraft.cli import main
-from flashdraft.serve.engine import TextTracker
+from flashdraft.decoding import DecodeSettings, generate_ids
+from flashdraft.serve.engine import HOLD_IDS, PerThread, ServeBatch, TextTracker
 
 MODEL = "tiny-target"
 CONTEXT = 16384  # the tiny target's
@@ -266,6 +269,30 @@ def test_bad_request_gets_openai_error(server, name, path, body, status, param, 
     assert ok == 200 and resp["usage"]["completion_tokens"] == 3  # and the server keeps serving
 
 
+REFUSED = [("response_format", {"type": "json_object"}), ("min_p", 0.1), ("ignore_eos", True),
+           ("tool_choice", "required"), ("tools", [{"type": "function", "function": {"name": "f"}}]),
+           ("logit_bias", {"5": 10}), ("logprobs", True), ("top_logprobs", 2), ("n", 2), ("n", True), ("best_of", 3),
+           ("presence_penalty", 0.5), ("frequency_penalty", -0.2), ("repetition_penalty", 1.1),
+           ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("min_tokens", 5), ("prompt_logprobs", 1),
+           ("echo", True), ("suffix", "x"), ("stop_token_ids", [3])]
+ACCEPTED = [("user", "me"), ("metadata", {"k": "v"}), ("store", False), ("parallel_tool_calls", True),
+            ("stream_options", {"include_usage": True}), ("response_format", {"type": "text"}), ("logprobs", False),
+            ("n", 1), ("presence_penalty", 0.0), ("repetition_penalty", 1), ("tool_choice", "none"), ("tools", []),
+            ("min_p", 0), ("echo", False), ("guided_json", None), ("service_tier", "auto")]
+
+
+@pytest.mark.parametrize("field,value,refused", [(f, v, True) for f, v in REFUSED] + [(f, v, False) for f, v in ACCEPTED],
+                         ids=[f"{f}={json.dumps(v)}" for f, v in REFUSED + ACCEPTED])
+def test_fields_that_would_change_the_answer_get_400(server, field, value, refused):
+    """What is not implemented and would change the answer is refused, naming the field; the rest is accepted."""
+    status, resp, _ = server.request("POST", "/v1/chat/completions", chat("x", max_tokens=2) | {field: value})
+    if not refused:
+        assert status == 200 and resp["usage"]["completion_tokens"] == 2, resp
+        return
+    assert status == 400 and resp["error"]["param"] == field and resp["error"]["code"] == "unsupported_parameter"
+    assert resp["error"]["type"] == "invalid_request_error" and resp["error"]["message"].startswith(field)
+
+
 def test_oversized_body_gets_413(server, tight):
     big = json.dumps(chat("x" * (1 << 20))).encode()  # just over the default 1 MiB limit
     status, resp, _ = server.request("POST", "/v1/chat/completions", big)
@@ -420,6 +447,133 @@ def test_load_above_the_bound_only_429(tight, dirs):
     wait_until(lambda: idle(tight), 15, "the server to be idle")
 
 
+# ---------------------------------------------------------------- concurrent requests share cycles
+
+REQUESTS = {  # the `refs` runs as API requests: (kind, arguments)
+    "chat": ("chat", dict(messages=[{"role": "user", "content": "Hello there"}], max_tokens=40, temperature=0)),
+    "text": ("text", dict(prompt="abc def", max_tokens=33, temperature=0)),
+    "ids": ("text", dict(prompt=[5, 9, 11, 40, 3], max_tokens=25, temperature=0)),
+    "sampled": ("chat", dict(messages=[{"role": "user", "content": "Tell me"}], max_tokens=40, temperature=0.9,
+                             top_p=0.9, seed=7, extra_body={"top_k": 20})),
+}
+
+
+def stream_text(server: Server, kind: str, kw: dict, first: threading.Event | None = None) -> tuple[str, dict]:
+    """Stream one request → (its text, the flashdraft field of its last chunk); `first` is set at its first text."""
+    api = client_for(server)
+    create = api.chat.completions.create if kind == "chat" else api.completions.create
+    parts, final = [], {}
+    for c in create(model=MODEL, stream=True, **kw):
+        piece = (c.choices[0].delta.content if kind == "chat" else c.choices[0].text) if c.choices else None
+        if piece:
+            parts.append(piece)
+            if first is not None:
+                first.set()
+        if c.choices and c.choices[0].finish_reason:
+            final = ext(c)
+    return "".join(parts), final
+
+
+class Concurrent:
+    """The named REQUESTS streamed at once, one thread each: `first` is set at the first text of any, `out` holds
+    each one's (text, flashdraft field)."""
+
+    def __init__(self, server: Server, names: list[str]):
+        self.out: dict[str, tuple[str, dict]] = {}
+        self.first = threading.Event()
+        self.threads = [threading.Thread(target=self.run, args=(server, n), daemon=True) for n in names]
+        for t in self.threads:
+            t.start()
+
+    def run(self, server: Server, name: str) -> None:
+        self.out[name] = stream_text(server, *REQUESTS[name], self.first)
+
+    def alive(self) -> bool:
+        return any(t.is_alive() for t in self.threads)
+
+    def join(self, timeout: float = 120) -> dict[str, tuple[str, dict]]:
+        for t in self.threads:
+            t.join(timeout)
+        assert len(self.out) == len(self.threads), "a request failed (see the thread's traceback)"
+        return self.out
+
+
+def long_stream(server: Server, prompt: str = "long"):
+    """A streaming request that would run for minutes, already decoding (its first chunk read)."""
+    stream = client_for(server).completions.create(model=MODEL, prompt=prompt, max_tokens=LONG, temperature=0,
+                                                   stream=True)
+    next(iter(stream))
+    return stream
+
+
+def test_concurrent_streams_share_cycles_and_each_equals_generate(server, refs):
+    """Adaptive widths (the default): four streams beside a long one decode in shared cycles, up to --max-batch 3 at
+    once, and each answer equals its own `generate` run (greedy and seeded sampling)."""
+    before = server.metrics()
+    blocker = long_stream(server)
+    runs, seen = Concurrent(server, list(REQUESTS)), 0
+    while runs.alive():
+        seen = max(seen, server.metrics()["flashdraft_batch_size"])
+    for name, (text, x) in runs.join().items():
+        assert x["output_ids"] == refs[name]["output_ids"] and text == refs[name]["text"], name
+        assert x["batch"] >= 2, name  # every cycle of it had the long request beside it
+    m = server.metrics()
+    blocker.close()
+    assert 2 <= seen <= 3 and m["flashdraft_max_batch"] == 3 and m["flashdraft_tokens_per_second"] > 0
+    steps = m["flashdraft_step_batch_size_count"] - before["flashdraft_step_batch_size_count"]
+    rows = m["flashdraft_step_batch_size_sum"] - before["flashdraft_step_batch_size_sum"]
+    assert rows > steps > 0 and m['flashdraft_step_batch_size_bucket{le="4"}'] == m["flashdraft_step_batch_size_count"]
+    wait_until(lambda: idle(server), 10, "the long request to leave")
+
+
+def test_cancelling_one_stream_leaves_the_others_and_fixed_cycles_equal_generate(fixed, refs):
+    """--fixed-block: batched cycles equal `generate`'s cycle for cycle, while one stream of the batch is dropped."""
+    before = fixed.metrics()['flashdraft_requests_total{outcome="cancelled"}']
+    doomed = long_stream(fixed)
+    runs = Concurrent(fixed, list(REQUESTS))
+    assert runs.first.wait(60)
+    doomed.close()  # while the others are decoding beside it
+    for name, (text, x) in runs.join().items():
+        rec = refs[name]
+        assert x["output_ids"] == rec["output_ids"] and text == rec["text"], name
+        assert x["acceptance_lengths"] == rec["acceptance_lengths"], name
+    wait_until(lambda: idle(fixed), 10, "the cancelled request to leave the batch")
+    assert fixed.metrics()['flashdraft_requests_total{outcome="cancelled"}'] == before + 1
+
+
+def test_a_timeout_leaves_the_others(fixed):
+    """--request-timeout 8: the request admitted first times out while the one beside it keeps decoding."""
+    want = client_for(fixed).completions.create(model=MODEL, prompt="go on", max_tokens=300, temperature=0)
+    want = want.choices[0].text
+    late: dict = {}
+    waiter = threading.Thread(target=lambda: late.update(r=fixed.request(
+        "POST", "/v1/completions", {"model": MODEL, "prompt": "late", "max_tokens": LONG}, timeout=60)))
+    waiter.start()
+    wait_until(lambda: fixed.request("GET", "/health")[1]["running"] == 1, 15, "the first request to start")
+    time.sleep(2)  # so that the second request's deadline comes 2 s after the first's
+    stream = client_for(fixed).completions.create(model=MODEL, prompt="go on", max_tokens=LONG, temperature=0,
+                                                  stream=True)
+    chunks, text = iter(stream), ""
+    while waiter.is_alive():  # both decode until the first times out
+        text += next(chunks).choices[0].text
+    assert late["r"][0] == 504 and late["r"][1]["error"]["code"] == "request_timeout"
+    after = "".join(next(chunks).choices[0].text for _ in range(5))  # the second goes on
+    stream.close()
+    text += after
+    n = min(len(text), len(want))
+    assert text[:n] == want[:n] and n >= 50
+    wait_until(lambda: idle(fixed), 10, "the second request to leave")
+
+
+def test_max_batch_1_decodes_one_request_at_a_time(tight, refs):
+    runs = Concurrent(tight, ["chat", "ids"])  # --max-batch 1 --max-queue 1: one decodes, one waits
+    for name, (text, x) in runs.join().items():
+        assert x["output_ids"] == refs[name]["output_ids"] and text == refs[name]["text"] and x["batch"] == 1
+    m = tight.metrics()
+    assert m["flashdraft_max_batch"] == 1
+    assert m['flashdraft_step_batch_size_bucket{le="1"}'] == m["flashdraft_step_batch_size_count"] > 0
+
+
 # ---------------------------------------------------------------- text tracking (no server)
 
 def test_text_tracker_holds_back_partial_stop_strings_and_characters():
@@ -436,6 +590,87 @@ def test_text_tracker_holds_back_partial_stop_strings_and_characters():
 def test_text_tracker_without_stops_sends_everything():
     t = TextTracker(lambda ids: "".join(chr(97 + i) for i in ids), [])
     assert [t.add([0, 1]), t.add([2]), t.finish()] == ["ab", "c", ""] and not t.stopped
+
+
+def test_text_tracker_follows_a_tokenizer_that_rewrites_earlier_text():
+    """Decoding more ids rewrites earlier characters here (a space before punctuation is cleaned up, as
+    clean_up_tokenization_spaces does, and the text's first space is dropped, as SentencePiece does): the streamed
+    text still equals the full decode, where slicing the full decode by the characters already sent does not."""
+    vocab = [" Hello", " world", " ", ".", ",", " how", " are", " you", "?", "\n", "\u00e9"]
+
+    def dec(ids):
+        text = "".join(vocab[i] for i in ids)
+        for p in ".,?":
+            text = text.replace(" " + p, p)
+        return text.removeprefix(" ")
+
+    ids = [0, 1, 2, 4, 5, 6, 2, 7, 2, 8, 9, 0, 2, 3, 10, 2, 2, 3, 2]
+    for k in (1, 2, 3, 5):
+        t = TextTracker(dec, ["you?"] if k == 5 else [])
+        deltas = [t.add(ids[i:i + k]) for i in range(0, len(ids), k) if not t.stopped]
+        deltas.append(t.finish())
+        assert "".join(deltas) == t.text == (dec(ids) if k != 5 else "Hello world, how are  "), k
+        assert t.stopped or all(not d[-1:].isspace() for d in deltas[:-1])  # a trailing space waits for the next
+    assert dec(t.ids) == "Hello world, how are  you?" and len(t.ids) == 10  # cut to the ids that contain the stop
+    sent = ""
+    for i in range(1, len(ids) + 1):
+        sent += dec(ids[:i])[len(sent):]
+    assert sent != dec(ids)  # what slicing the whole decode would have sent
+
+
+def test_text_tracker_decodes_a_bounded_window_per_cycle():
+    """The work per cycle does not grow with the output: at most two decodes of the last few cycles' ids."""
+    lengths: list[int] = []
+
+    def dec(ids):
+        lengths.append(len(ids))
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    t, text = TextTracker(dec, ["STOP"]), "abc \u00e9d€ " * 300  # multi-byte characters split across cycles
+    data, out = list(text.encode()), []
+    for i in range(0, len(data), 4):
+        lengths.clear()
+        out.append(t.add(data[i:i + 4]))
+        assert len(lengths) <= 2 and max(lengths) <= HOLD_IDS + 4  # of 3300 ids in the end
+    assert "".join(out) + t.finish() == text and t.text == text and len(data) == 3300
+
+
+def test_each_thread_gets_its_own_tokenizer_copy():
+    tokens, seen = PerThread(char_tokenizer()), {}
+
+    def work(i: int) -> None:
+        tok = tokens.get()
+        assert tokens.get() is tok and tok is not tokens.base
+        seen[i] = (tok, {tokens.decode(tok("abc def")["input_ids"]) for _ in range(200)})
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len({id(tok) for tok, _ in seen.values()}) == 4 and all(d == {"abc def"} for _, d in seen.values())
+
+
+def test_serve_batch_adapts_greedy_widths_and_keeps_seeded_sampling_exact():
+    """Greedy and seeded sampling requests joining one per cycle: every output equals generate_ids; sampled requests
+    keep generate's cycles (their random draws follow the widths), greedy ones adapt theirs."""
+    torch.manual_seed(0)
+    model = tiny_target("llama", seed=3, max_pos=1024)
+    drafter = random_drafter(model, block_size=4)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 90, (n,), generator=gen).tolist() for n in (5, 9, 13, 7, 11)]
+    base = DecodeSettings(max_new_tokens=30, temperature=0.9, top_p=0.9, top_k=20, stop_token_ids=())
+    settings = [base.updated(seed=i, temperature=0.0 if i % 2 else 0.9) for i in range(len(prompts))]
+    refs = [generate_ids(model, drafter, p, s) for p, s in zip(prompts, settings)]
+    dec, seqs, waiting = ServeBatch(model, drafter, DecodeSettings()), [], list(zip(prompts, settings))
+    while waiting or dec.active:
+        if waiting:
+            seqs.append(dec.join(*waiting.pop(0))[0])
+        dec.step()
+    for q, ref, s in zip(seqs, refs, settings):
+        assert q.output == ref.output_ids
+        assert ([(c.block, c.accepted) for c in q.cycles] == [(c.block, c.accepted) for c in ref.cycles]) != s.greedy
+    assert sum(not s.greedy for s in settings) == 3
 
 
 # ---------------------------------------------------------------- command line
