@@ -20,7 +20,7 @@ from serve_load import Case, references, run_load
 import flashdraft
 from flashdraft.cli import main
 from flashdraft.decoding import DecodeSettings, generate_ids
-from flashdraft.serve.engine import HOLD_IDS, PerThread, ServeBatch, TextTracker
+from flashdraft.serve.engine import HOLD_IDS, PerThread, ServeBatch, SoloDecoder, TextTracker
 
 MODEL = "tiny-target"
 CONTEXT = 16384  # the tiny target's
@@ -141,15 +141,16 @@ def test_models_health_metrics(server, client):
 def test_chat_equals_generate(server, fixed, refs, fixed_block):
     """Adaptive widths (the default) change a request's cycles, never its output; --fixed-block keeps the cycles."""
     rec = refs["chat"]
-    resp = client_for(fixed if fixed_block else server).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello there"}],
-                                          max_tokens=40, temperature=0)
+    resp = client_for(fixed if fixed_block else server).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hello there"}], max_tokens=40, temperature=0)
     assert ext(resp)["output_ids"] == rec["output_ids"]
     assert resp.choices[0].message.content == rec["text"] and resp.choices[0].message.role == "assistant"
     assert resp.choices[0].finish_reason == "length" and resp.object == "chat.completion" and resp.model == MODEL
     assert (resp.usage.prompt_tokens, resp.usage.completion_tokens, resp.usage.total_tokens) == \
         (rec["num_prompt_tokens"], 40, rec["num_prompt_tokens"] + 40)
     x = ext(resp)
-    assert x["block_size"] == 4 and x["tau"] == pytest.approx(sum(x["acceptance_lengths"]) / len(x["acceptance_lengths"]))
+    lengths = x["acceptance_lengths"]
+    assert x["block_size"] == 4 and x["tau"] == pytest.approx(sum(lengths) / len(lengths))
     assert sum(x["acceptance_lengths"]) == 39  # the first token comes from the prefill
     if fixed_block:
         assert x["acceptance_lengths"] == rec["acceptance_lengths"]
@@ -281,8 +282,10 @@ ACCEPTED = [("user", "me"), ("metadata", {"k": "v"}), ("store", False), ("parall
             ("min_p", 0), ("echo", False), ("guided_json", None), ("service_tier", "auto")]
 
 
-@pytest.mark.parametrize("field,value,refused", [(f, v, True) for f, v in REFUSED] + [(f, v, False) for f, v in ACCEPTED],
-                         ids=[f"{f}={json.dumps(v)}" for f, v in REFUSED + ACCEPTED])
+FIELDS = [(f, v, True) for f, v in REFUSED] + [(f, v, False) for f, v in ACCEPTED]
+
+
+@pytest.mark.parametrize("field,value,refused", FIELDS, ids=[f"{f}={json.dumps(v)}" for f, v, _ in FIELDS])
 def test_fields_that_would_change_the_answer_get_400(server, field, value, refused):
     """What is not implemented and would change the answer is refused, naming the field; the rest is accepted."""
     status, resp, _ = server.request("POST", "/v1/chat/completions", chat("x", max_tokens=2) | {field: value})
@@ -430,7 +433,7 @@ def tiny_cases(dirs) -> list[Case]:
 
 def test_load_below_the_bound_all_correct(server, dirs):
     cases = tiny_cases(dirs)
-    report = run_load(server.url, MODEL, cases, clients=3, requests_per_client=4)  # 3 = 1 running + max-queue 2
+    report = run_load(server.url, MODEL, cases, clients=3, requests_per_client=4)  # decoded together (--max-batch 3)
     s = report.summary()
     print("\nload below the bound:", json.dumps(s))
     assert s["requests"] == 12 and s["ok"] == 12 and not report.errors and not report.mismatches
@@ -673,12 +676,32 @@ def test_serve_batch_adapts_greedy_widths_and_keeps_seeded_sampling_exact():
     assert sum(not s.greedy for s in settings) == 3
 
 
+def test_solo_decoder_serves_targets_that_cannot_batch():
+    """Sliding-window targets decode one request at a time through a Session, behind the same interface."""
+    model = tiny_target("llama", seed=3, max_pos=1024)
+    drafter = random_drafter(model, block_size=4)
+    settings = DecodeSettings(max_new_tokens=20, temperature=0.8, seed=5, stop_token_ids=())
+    dec = SoloDecoder(model, drafter)
+    seq, first = dec.join([5, 9, 11, 40], settings, key="a")
+    out = list(first.emitted)
+    while dec.active:
+        [(q, cycle)] = dec.step()
+        assert q is seq and q.key == "a"
+        out += cycle.emitted
+    ref = generate_ids(model, drafter, [5, 9, 11, 40], settings)
+    assert out == dec.result(seq).output_ids == ref.output_ids
+    seq, _ = dec.join([7, 8], settings)
+    dec.leave(seq)
+    assert dec.active == [] and dec.step() == []
+
+
 # ---------------------------------------------------------------- command line
 
 @pytest.mark.parametrize("args,match", [
     (["--engine", "llama.cpp"], "only engine is 'torch'"),
     (["--port", "70000"], "--port must be in"),
     (["--max-queue", "-1"], "--max-queue must be >= 0"),
+    (["--max-batch", "0"], "--max-batch must be > 0"),
     (["--request-timeout", "0"], "--request-timeout must be > 0"),
     (["--max-body-bytes", "0"], "--max-body-bytes must be > 0"),
     (["--block-size", "0"], "block size must be >= 1"),

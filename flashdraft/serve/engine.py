@@ -311,6 +311,7 @@ class Engine:
     def work(self) -> None:
         """Admit waiting jobs into free rows, drop cancelled or late ones, run one batched cycle; repeat."""
         dec = self.decoder()
+        self.tokens.get()  # this thread's tokenizer copy, made before the first request needs it
         while self.admit(dec):
             self.sweep(dec)
             if not dec.active:
