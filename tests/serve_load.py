@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--max-queue", type=int, default=8)
+    p.add_argument("--max-batch", type=int, default=8, help="requests the server decodes together")
     p.add_argument("--burst", type=int, default=12, help="clients x 1 request for the above-the-bound run (0: skip)")
     p.add_argument("--burst-max-queue", type=int, default=2)
     args = p.parse_args(argv)
@@ -157,13 +158,13 @@ def main(argv: list[str] | None = None) -> int:
                                        ("above_bound", args.burst, 1, args.burst_max_queue)]:
         if clients < 1:
             continue
-        server = Server(*extra, "--max-queue", str(queue))
+        server = Server(*extra, "--max-queue", str(queue), "--max-batch", str(args.max_batch))
         try:
             model = server.request("GET", "/v1/models")[1]["data"][0]["id"]
             report = run_load(server.url, model, cases, clients, reqs)
         finally:
             status = server.terminate()
-        results[name] = {"max_queue": queue, **report.summary(), "exit_status": status}
+        results[name] = {"max_batch": args.max_batch, "max_queue": queue, **report.summary(), "exit_status": status}
         print(json.dumps({name: results[name]}), flush=True)
     return 0
 

@@ -171,6 +171,28 @@ def batched_counts(target, drafter, params: SamplingParams, n: int) -> dict[tupl
     return counts
 
 
+def test_adaptive_widths_for_greedy_rows_only_so_seeded_sampling_equals_generate():
+    """Greedy and seeded sampling requests joining one per cycle: every output equals generate_ids; sampled requests
+    keep generate's cycles (their random draws follow the widths), greedy ones adapt theirs."""
+    torch.manual_seed(0)
+    model = tiny_target("llama", seed=3, max_pos=1024)
+    drafter = random_drafter(model, block_size=4)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 90, (n,), generator=gen).tolist() for n in (5, 9, 13, 7, 11)]
+    base = DecodeSettings(max_new_tokens=30, temperature=0.9, top_p=0.9, top_k=20, stop_token_ids=())
+    settings = [base.updated(seed=i, temperature=0.0 if i % 2 else 0.9) for i in range(len(prompts))]
+    refs = [generate_ids(model, drafter, p, s) for p, s in zip(prompts, settings)]
+    dec, seqs, waiting = BatchDecoder(model, drafter, DecodeSettings()), [], list(zip(prompts, settings))
+    while waiting or dec.active:
+        if waiting:
+            seqs.append(dec.join(*waiting.pop(0))[0])
+        dec.step()
+    for q, ref, s in zip(seqs, refs, settings):
+        assert q.output == ref.output_ids
+        assert ([(c.block, c.accepted) for c in q.cycles] == [(c.block, c.accepted) for c in ref.cycles]) != s.greedy
+    assert sum(not s.greedy for s in settings) == 3
+
+
 # ---------------------------------------------------------------- the policy
 
 def test_cost_model_fits_a_line_and_forgets():

@@ -12,12 +12,15 @@ import time
 
 import openai
 import pytest
-from serve_helpers import Server, cli_generate, make_model_dirs
+import torch
+from helpers import random_drafter, tiny_target
+from serve_helpers import Server, char_tokenizer, cli_generate, make_model_dirs
 from serve_load import Case, references, run_load
 
 import flashdraft
 from flashdraft.cli import main
-from flashdraft.serve.engine import TextTracker
+from flashdraft.decoding import DecodeSettings, generate_ids
+from flashdraft.serve.engine import HOLD_IDS, PerThread, SoloDecoder, TextTracker
 
 MODEL = "tiny-target"
 CONTEXT = 16384  # the tiny target's
@@ -39,16 +42,24 @@ def start(request, *args: str) -> Server:
 @pytest.fixture(scope="module")
 def server(request, dirs):
     target, drafter = dirs
-    return start(request, "--target", str(target), "--drafter", str(drafter), "--max-queue", "2",
+    return start(request, "--target", str(target), "--drafter", str(drafter), "--max-batch", "3", "--max-queue", "2",
                  "--request-timeout", "120")
 
 
 @pytest.fixture(scope="module")
 def tight(request, dirs):
-    """Small limits: one waiting request, a 5 s request timeout, 4 KiB bodies."""
+    """Small limits: one request at a time, one waiting, a 5 s request timeout, 4 KiB bodies."""
     target, drafter = dirs
-    return start(request, "--target", str(target), "--drafter", str(drafter), "--max-queue", "1",
+    return start(request, "--target", str(target), "--drafter", str(drafter), "--max-batch", "1", "--max-queue", "1",
                  "--request-timeout", "5", "--max-body-bytes", "4096")
+
+
+@pytest.fixture(scope="module")
+def fixed(request, dirs):
+    """--fixed-block: every cycle verifies the request's block, so its cycles equal `generate`'s at any load."""
+    target, drafter = dirs
+    return start(request, "--target", str(target), "--drafter", str(drafter), "--fixed-block", "--max-batch", "5",
+                 "--request-timeout", "8")
 
 
 def client_for(server: Server, timeout: float = 60) -> openai.OpenAI:
@@ -126,18 +137,23 @@ def test_models_health_metrics(server, client):
     assert "# TYPE flashdraft_requests_total counter" in text and headers["content-type"].startswith("text/plain")
 
 
-def test_chat_equals_generate(client, refs):
+@pytest.mark.parametrize("fixed_block", [False, True])
+def test_chat_equals_generate(server, fixed, refs, fixed_block):
+    """Adaptive widths (the default) change a request's cycles, never its output; --fixed-block keeps the cycles."""
     rec = refs["chat"]
-    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello there"}],
-                                          max_tokens=40, temperature=0)
+    resp = client_for(fixed if fixed_block else server).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hello there"}], max_tokens=40, temperature=0)
     assert ext(resp)["output_ids"] == rec["output_ids"]
     assert resp.choices[0].message.content == rec["text"] and resp.choices[0].message.role == "assistant"
     assert resp.choices[0].finish_reason == "length" and resp.object == "chat.completion" and resp.model == MODEL
     assert (resp.usage.prompt_tokens, resp.usage.completion_tokens, resp.usage.total_tokens) == \
         (rec["num_prompt_tokens"], 40, rec["num_prompt_tokens"] + 40)
     x = ext(resp)
-    assert x["acceptance_lengths"] == rec["acceptance_lengths"] and x["block_size"] == 4
-    assert x["tau"] == pytest.approx(sum(rec["acceptance_lengths"]) / len(rec["acceptance_lengths"]))
+    lengths = x["acceptance_lengths"]
+    assert x["block_size"] == 4 and x["tau"] == pytest.approx(sum(lengths) / len(lengths))
+    assert sum(x["acceptance_lengths"]) == 39  # the first token comes from the prefill
+    if fixed_block:
+        assert x["acceptance_lengths"] == rec["acceptance_lengths"]
     assert set(x["timing"]) >= {"prefill_s", "draft_s", "verify_s", "other_s", "total_s", "queue_s"}
     assert x["timing"]["verify_s"] > 0 and x["timing"]["draft_s"] > 0
 
@@ -254,6 +270,32 @@ def test_bad_request_gets_openai_error(server, name, path, body, status, param, 
     assert ok == 200 and resp["usage"]["completion_tokens"] == 3  # and the server keeps serving
 
 
+REFUSED = [("response_format", {"type": "json_object"}), ("min_p", 0.1), ("ignore_eos", True),
+           ("tool_choice", "required"), ("tools", [{"type": "function", "function": {"name": "f"}}]),
+           ("logit_bias", {"5": 10}), ("logprobs", True), ("top_logprobs", 2), ("n", 2), ("n", True), ("best_of", 3),
+           ("presence_penalty", 0.5), ("frequency_penalty", -0.2), ("repetition_penalty", 1.1),
+           ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("min_tokens", 5), ("prompt_logprobs", 1),
+           ("echo", True), ("suffix", "x"), ("stop_token_ids", [3])]
+ACCEPTED = [("user", "me"), ("metadata", {"k": "v"}), ("store", False), ("parallel_tool_calls", True),
+            ("stream_options", {"include_usage": True}), ("response_format", {"type": "text"}), ("logprobs", False),
+            ("n", 1), ("presence_penalty", 0.0), ("repetition_penalty", 1), ("tool_choice", "none"), ("tools", []),
+            ("min_p", 0), ("echo", False), ("guided_json", None), ("service_tier", "auto")]
+
+
+FIELDS = [(f, v, True) for f, v in REFUSED] + [(f, v, False) for f, v in ACCEPTED]
+
+
+@pytest.mark.parametrize("field,value,refused", FIELDS, ids=[f"{f}={json.dumps(v)}" for f, v, _ in FIELDS])
+def test_fields_that_would_change_the_answer_get_400(server, field, value, refused):
+    """What is not implemented and would change the answer is refused, naming the field; the rest is accepted."""
+    status, resp, _ = server.request("POST", "/v1/chat/completions", chat("x", max_tokens=2) | {field: value})
+    if not refused:
+        assert status == 200 and resp["usage"]["completion_tokens"] == 2, resp
+        return
+    assert status == 400 and resp["error"]["param"] == field and resp["error"]["code"] == "unsupported_parameter"
+    assert resp["error"]["type"] == "invalid_request_error" and resp["error"]["message"].startswith(field)
+
+
 def test_oversized_body_gets_413(server, tight):
     big = json.dumps(chat("x" * (1 << 20))).encode()  # just over the default 1 MiB limit
     status, resp, _ = server.request("POST", "/v1/chat/completions", big)
@@ -317,9 +359,12 @@ def test_disconnect_non_streaming_frees_the_slot(server, client):
 
 def test_queue_full_gets_429_never_a_hang(server):
     socks = [raw_post(server.port, "/v1/completions", {"model": MODEL, "prompt": p, "max_tokens": LONG})
-             for p in "abc"]  # one decoding, two waiting: the bound of --max-queue 2
+             for p in "abcde"]  # three decoding together (--max-batch 3), two waiting: the bound of --max-queue 2
     try:
-        wait_until(lambda: server.request("GET", "/health")[1]["queued"] == 2, 15, "one running, two waiting")
+        wait_until(lambda: server.request("GET", "/health")[1] | {"status": 0} == {"status": 0, "model": MODEL,
+                                                                                  "queued": 2, "running": 3},
+                   15, "three running, two waiting")
+        assert server.metrics()["flashdraft_batch_size"] == 3
         before = server.metrics()['flashdraft_requests_total{outcome="rejected"}']
         t0 = time.monotonic()
         status, resp, headers = server.request("POST", "/v1/completions", {"model": MODEL, "prompt": "d"})
@@ -358,7 +403,7 @@ def test_sigterm_finishes_admitted_work_cancels_the_rest_and_exits_0(request, di
     short = client.completions.create(model=MODEL, prompt="short", max_tokens=40, temperature=0, stream=True)
     first = next(iter(short))
     long = raw_post(srv.port, "/v1/completions", {"model": MODEL, "prompt": "long", "max_tokens": LONG})
-    wait_until(lambda: srv.request("GET", "/health")[1]["queued"] >= 1, 15, "the long request to be queued")
+    wait_until(lambda: srv.request("GET", "/health")[1]["running"] == 2, 15, "the long request to join the batch")
     srv.proc.terminate()
     try:  # new work is refused: 503 while draining, or no connection once the listener is closed
         status = srv.request("POST", "/v1/completions", {"model": MODEL, "prompt": "new"}, timeout=10)[0]
@@ -388,7 +433,7 @@ def tiny_cases(dirs) -> list[Case]:
 
 def test_load_below_the_bound_all_correct(server, dirs):
     cases = tiny_cases(dirs)
-    report = run_load(server.url, MODEL, cases, clients=3, requests_per_client=4)  # 3 = 1 running + max-queue 2
+    report = run_load(server.url, MODEL, cases, clients=3, requests_per_client=4)  # decoded together (--max-batch 3)
     s = report.summary()
     print("\nload below the bound:", json.dumps(s))
     assert s["requests"] == 12 and s["ok"] == 12 and not report.errors and not report.mismatches
@@ -403,6 +448,133 @@ def test_load_above_the_bound_only_429(tight, dirs):
     assert set(report.errors) == {429} and report.ok >= 2 and not report.mismatches
     assert s["requests"] == 12
     wait_until(lambda: idle(tight), 15, "the server to be idle")
+
+
+# ---------------------------------------------------------------- concurrent requests share cycles
+
+REQUESTS = {  # the `refs` runs as API requests: (kind, arguments)
+    "chat": ("chat", dict(messages=[{"role": "user", "content": "Hello there"}], max_tokens=40, temperature=0)),
+    "text": ("text", dict(prompt="abc def", max_tokens=33, temperature=0)),
+    "ids": ("text", dict(prompt=[5, 9, 11, 40, 3], max_tokens=25, temperature=0)),
+    "sampled": ("chat", dict(messages=[{"role": "user", "content": "Tell me"}], max_tokens=40, temperature=0.9,
+                             top_p=0.9, seed=7, extra_body={"top_k": 20})),
+}
+
+
+def stream_text(server: Server, kind: str, kw: dict, first: threading.Event | None = None) -> tuple[str, dict]:
+    """Stream one request → (its text, the flashdraft field of its last chunk); `first` is set at its first text."""
+    api = client_for(server)
+    create = api.chat.completions.create if kind == "chat" else api.completions.create
+    parts, final = [], {}
+    for c in create(model=MODEL, stream=True, **kw):
+        piece = (c.choices[0].delta.content if kind == "chat" else c.choices[0].text) if c.choices else None
+        if piece:
+            parts.append(piece)
+            if first is not None:
+                first.set()
+        if c.choices and c.choices[0].finish_reason:
+            final = ext(c)
+    return "".join(parts), final
+
+
+class Concurrent:
+    """The named REQUESTS streamed at once, one thread each: `first` is set at the first text of any, `out` holds
+    each one's (text, flashdraft field)."""
+
+    def __init__(self, server: Server, names: list[str]):
+        self.out: dict[str, tuple[str, dict]] = {}
+        self.first = threading.Event()
+        self.threads = [threading.Thread(target=self.run, args=(server, n), daemon=True) for n in names]
+        for t in self.threads:
+            t.start()
+
+    def run(self, server: Server, name: str) -> None:
+        self.out[name] = stream_text(server, *REQUESTS[name], self.first)
+
+    def alive(self) -> bool:
+        return any(t.is_alive() for t in self.threads)
+
+    def join(self, timeout: float = 120) -> dict[str, tuple[str, dict]]:
+        for t in self.threads:
+            t.join(timeout)
+        assert len(self.out) == len(self.threads), "a request failed (see the thread's traceback)"
+        return self.out
+
+
+def long_stream(server: Server, prompt: str = "long"):
+    """A streaming request that would run for minutes, already decoding (its first chunk read)."""
+    stream = client_for(server).completions.create(model=MODEL, prompt=prompt, max_tokens=LONG, temperature=0,
+                                                   stream=True)
+    next(iter(stream))
+    return stream
+
+
+def test_concurrent_streams_share_cycles_and_each_equals_generate(server, refs):
+    """Adaptive widths (the default): four streams beside a long one decode in shared cycles, up to --max-batch 3 at
+    once, and each answer equals its own `generate` run (greedy and seeded sampling)."""
+    before = server.metrics()
+    blocker = long_stream(server)
+    runs, seen = Concurrent(server, list(REQUESTS)), 0
+    while runs.alive():
+        seen = max(seen, server.metrics()["flashdraft_batch_size"])
+    for name, (text, x) in runs.join().items():
+        assert x["output_ids"] == refs[name]["output_ids"] and text == refs[name]["text"], name
+        assert x["batch"] >= 2, name  # every cycle of it had the long request beside it
+    m = server.metrics()
+    blocker.close()
+    assert 2 <= seen <= 3 and m["flashdraft_max_batch"] == 3 and m["flashdraft_tokens_per_second"] > 0
+    steps = m["flashdraft_step_batch_size_count"] - before["flashdraft_step_batch_size_count"]
+    rows = m["flashdraft_step_batch_size_sum"] - before["flashdraft_step_batch_size_sum"]
+    assert rows > steps > 0 and m['flashdraft_step_batch_size_bucket{le="4"}'] == m["flashdraft_step_batch_size_count"]
+    wait_until(lambda: idle(server), 10, "the long request to leave")
+
+
+def test_cancelling_one_stream_leaves_the_others_and_fixed_cycles_equal_generate(fixed, refs):
+    """--fixed-block: batched cycles equal `generate`'s cycle for cycle, while one stream of the batch is dropped."""
+    before = fixed.metrics()['flashdraft_requests_total{outcome="cancelled"}']
+    doomed = long_stream(fixed)
+    runs = Concurrent(fixed, list(REQUESTS))
+    assert runs.first.wait(60)
+    doomed.close()  # while the others are decoding beside it
+    for name, (text, x) in runs.join().items():
+        rec = refs[name]
+        assert x["output_ids"] == rec["output_ids"] and text == rec["text"], name
+        assert x["acceptance_lengths"] == rec["acceptance_lengths"], name
+    wait_until(lambda: idle(fixed), 10, "the cancelled request to leave the batch")
+    assert fixed.metrics()['flashdraft_requests_total{outcome="cancelled"}'] == before + 1
+
+
+def test_a_timeout_leaves_the_others(fixed):
+    """--request-timeout 8: the request admitted first times out while the one beside it keeps decoding."""
+    want = client_for(fixed).completions.create(model=MODEL, prompt="go on", max_tokens=300, temperature=0)
+    want = want.choices[0].text
+    late: dict = {}
+    waiter = threading.Thread(target=lambda: late.update(r=fixed.request(
+        "POST", "/v1/completions", {"model": MODEL, "prompt": "late", "max_tokens": LONG}, timeout=60)))
+    waiter.start()
+    wait_until(lambda: fixed.request("GET", "/health")[1]["running"] == 1, 15, "the first request to start")
+    time.sleep(2)  # so that the second request's deadline comes 2 s after the first's
+    stream = client_for(fixed).completions.create(model=MODEL, prompt="go on", max_tokens=LONG, temperature=0,
+                                                  stream=True)
+    chunks, text = iter(stream), ""
+    while waiter.is_alive():  # both decode until the first times out
+        text += next(chunks).choices[0].text
+    assert late["r"][0] == 504 and late["r"][1]["error"]["code"] == "request_timeout"
+    after = "".join(next(chunks).choices[0].text for _ in range(5))  # the second goes on
+    stream.close()
+    text += after
+    n = min(len(text), len(want))
+    assert text[:n] == want[:n] and n >= 50
+    wait_until(lambda: idle(fixed), 10, "the second request to leave")
+
+
+def test_max_batch_1_decodes_one_request_at_a_time(tight, refs):
+    runs = Concurrent(tight, ["chat", "ids"])  # --max-batch 1 --max-queue 1: one decodes, one waits
+    for name, (text, x) in runs.join().items():
+        assert x["output_ids"] == refs[name]["output_ids"] and text == refs[name]["text"] and x["batch"] == 1
+    m = tight.metrics()
+    assert m["flashdraft_max_batch"] == 1
+    assert m['flashdraft_step_batch_size_bucket{le="1"}'] == m["flashdraft_step_batch_size_count"] > 0
 
 
 # ---------------------------------------------------------------- text tracking (no server)
@@ -423,12 +595,91 @@ def test_text_tracker_without_stops_sends_everything():
     assert [t.add([0, 1]), t.add([2]), t.finish()] == ["ab", "c", ""] and not t.stopped
 
 
+def test_text_tracker_follows_a_tokenizer_that_rewrites_earlier_text():
+    """Decoding more ids rewrites earlier characters here (a space before punctuation is cleaned up, as
+    clean_up_tokenization_spaces does, and the text's first space is dropped, as SentencePiece does): the streamed
+    text still equals the full decode, where slicing the full decode by the characters already sent does not."""
+    vocab = [" Hello", " world", " ", ".", ",", " how", " are", " you", "?", "\n", "\u00e9"]
+
+    def dec(ids):
+        text = "".join(vocab[i] for i in ids)
+        for p in ".,?":
+            text = text.replace(" " + p, p)
+        return text.removeprefix(" ")
+
+    ids = [0, 1, 2, 4, 5, 6, 2, 7, 2, 8, 9, 0, 2, 3, 10, 2, 2, 3, 2]
+    for k in (1, 2, 3, 5):
+        t = TextTracker(dec, ["you?"] if k == 5 else [])
+        deltas = [t.add(ids[i:i + k]) for i in range(0, len(ids), k) if not t.stopped]
+        deltas.append(t.finish())
+        assert "".join(deltas) == t.text == (dec(ids) if k != 5 else "Hello world, how are  "), k
+        assert t.stopped or all(not d[-1:].isspace() for d in deltas[:-1])  # a trailing space waits for the next
+    assert dec(t.ids) == "Hello world, how are  you?" and len(t.ids) == 10  # cut to the ids that contain the stop
+    sent = ""
+    for i in range(1, len(ids) + 1):
+        sent += dec(ids[:i])[len(sent):]
+    assert sent != dec(ids)  # what slicing the whole decode would have sent
+
+
+def test_text_tracker_decodes_a_bounded_window_per_cycle():
+    """The work per cycle does not grow with the output: at most two decodes of the last few cycles' ids."""
+    lengths: list[int] = []
+
+    def dec(ids):
+        lengths.append(len(ids))
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    t, text = TextTracker(dec, ["STOP"]), "abc \u00e9d€ " * 300  # multi-byte characters split across cycles
+    data, out = list(text.encode()), []
+    for i in range(0, len(data), 4):
+        lengths.clear()
+        out.append(t.add(data[i:i + 4]))
+        assert len(lengths) <= 2 and max(lengths) <= HOLD_IDS + 4  # of 3300 ids in the end
+    assert "".join(out) + t.finish() == text and t.text == text and len(data) == 3300
+
+
+def test_each_thread_gets_its_own_tokenizer_copy():
+    tokens, seen = PerThread(char_tokenizer()), {}
+
+    def work(i: int) -> None:
+        tok = tokens.get()
+        assert tokens.get() is tok and tok is not tokens.base
+        seen[i] = (tok, {tokens.decode(tok("abc def")["input_ids"]) for _ in range(200)})
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len({id(tok) for tok, _ in seen.values()}) == 4 and all(d == {"abc def"} for _, d in seen.values())
+
+
+def test_solo_decoder_serves_targets_that_cannot_batch():
+    """Sliding-window targets decode one request at a time through a Session, behind the same interface."""
+    model = tiny_target("llama", seed=3, max_pos=1024)
+    drafter = random_drafter(model, block_size=4)
+    settings = DecodeSettings(max_new_tokens=20, temperature=0.8, seed=5, stop_token_ids=())
+    dec = SoloDecoder(model, drafter)
+    seq, first = dec.join([5, 9, 11, 40], settings, key="a")
+    out = list(first.emitted)
+    while dec.active:
+        [(q, cycle)] = dec.step()
+        assert q is seq and q.key == "a"
+        out += cycle.emitted
+    ref = generate_ids(model, drafter, [5, 9, 11, 40], settings)
+    assert out == dec.result(seq).output_ids == ref.output_ids
+    seq, _ = dec.join([7, 8], settings)
+    dec.leave(seq)
+    assert dec.active == [] and dec.step() == []
+
+
 # ---------------------------------------------------------------- command line
 
 @pytest.mark.parametrize("args,match", [
     (["--engine", "llama.cpp"], "only engine is 'torch'"),
     (["--port", "70000"], "--port must be in"),
     (["--max-queue", "-1"], "--max-queue must be >= 0"),
+    (["--max-batch", "0"], "--max-batch must be > 0"),
     (["--request-timeout", "0"], "--request-timeout must be > 0"),
     (["--max-body-bytes", "0"], "--max-body-bytes must be > 0"),
     (["--block-size", "0"], "block size must be >= 1"),

@@ -19,8 +19,14 @@ def add_serve(sub) -> None:
     add_decode_arguments(p, per_request=False)  # length, sampling and stops come with each request
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--max-batch", type=int, default=8,
+                   help="requests decoded together: each joins the batch at a cycle boundary and leaves when done "
+                        "(default 8; 1 = one at a time)")
+    p.add_argument("--fixed-block", action="store_true",
+                   help="verify each request's full block every cycle (default: greedy requests' widths adapt to the "
+                        "measured load, docs/adaptive.md); its cycles then equal flashdraft generate's")
     p.add_argument("--max-queue", type=int, default=8,
-                   help="requests that may wait while one is decoded; more get 429 (default 8)")
+                   help="requests that may wait while the batch is full; more get 429 (default 8)")
     p.add_argument("--request-timeout", type=float, default=300.0,
                    help="seconds from admission to the last token, waiting included (default 300)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413 (default 1 MiB)")

@@ -129,7 +129,7 @@ class BatchDecoder:
         rows = self.active
         if not rows:
             return []
-        widths = self.policy.choose([Row(q.acceptance, self.max_width(q)) for q in rows])
+        widths = self.widths(rows)
         t1 = now(self.device)
         proposals, drafting = self.propose(rows, widths)
         t2 = now(self.device)
@@ -147,6 +147,13 @@ class BatchDecoder:
             self.cache.remove_rows(finished)
             self.active = [q for q in rows if not q.done]
         return results
+
+    def widths(self, rows: list[Sequence]) -> list[int]:
+        """Each row's verify width this cycle: the policy's for greedy rows; a sampled row always verifies its whole
+        block, because its random draws follow the widths and a seed must give what `generate` gives."""
+        own = [self.max_width(q) for q in rows]
+        chosen = self.policy.choose([Row(q.acceptance, w) for q, w in zip(rows, own)])
+        return [c if q.settings.greedy else w for q, c, w in zip(rows, chosen, own)]
 
     def max_width(self, q: Sequence) -> int:
         """A row's widest useful verify: its block (or tree rows), capped by the positions it may still verify."""
@@ -186,9 +193,10 @@ class BatchDecoder:
         return proposals, drafted
 
     def lookup(self, q: Sequence, width: int) -> Proposal | None:
-        """q's prompt-lookup draft as Session makes it; under the adaptive policy at most width − 1 deep."""
+        """q's prompt-lookup draft as Session makes it; for a greedy row under the adaptive policy at most width − 1
+        deep (a sampled row drafts as `generate` does)."""
         st, start = q.state, q.state.position
-        cap = width - 1 if isinstance(self.policy, AdaptivePolicy) else None
+        cap = width - 1 if isinstance(self.policy, AdaptivePolicy) and q.settings.greedy else None
         return lookup_proposal(st, start, min(q.settings.block_size, st.end - start), q.settings.greedy, self.vocab,
                                self.device, cap)
 

@@ -26,7 +26,7 @@ def check_options(args) -> None:
     for name in ("max_queue",):
         if getattr(args, name) < 0:
             raise FlashdraftError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    for name in ("request_timeout", "shutdown_timeout", "max_body_bytes", "default_max_tokens"):
+    for name in ("max_batch", "request_timeout", "shutdown_timeout", "max_body_bytes", "default_max_tokens"):
         if not getattr(args, name) > 0:
             raise FlashdraftError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     if args.block_size is not None and args.block_size < 1:
@@ -75,17 +75,21 @@ def cmd_serve(args) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     target = load_target(args.target, dtype=args.dtype, device=device)
     drafter = load_drafter_or_plain(target, args.drafter, args.block_size)
-    engine = Engine(target, drafter, settings)
+    engine = Engine(target, drafter, settings, args.max_batch, adaptive=not args.fixed_block)
     limits = Limits(args.max_queue, args.request_timeout, args.max_body_bytes, args.shutdown_timeout)
     scheduler = Scheduler(engine, limits)
     model_id = args.served_model_name or served_name(args.target, DEFAULT_TARGET)
-    app = create_app(scheduler, Served([model_id], target, args.default_max_tokens))
+    app = create_app(scheduler, Served([model_id], target, args.default_max_tokens, engine.tokens))
 
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
-    print(f"flashdraft: serving {model_id!r} (block size {engine.block_size}, {args.dtype}, {device}) on "
-          f"http://{url_host}:{port}/v1", file=sys.stderr, flush=True)
+    policy = "fixed blocks" if args.fixed_block else "adaptive widths"
+    print(f"flashdraft: serving {model_id!r} (block size {engine.block_size}, {policy}, max batch {engine.max_batch}, "
+          f"{args.dtype}, {device}) on http://{url_host}:{port}/v1", file=sys.stderr, flush=True)
+    if engine.max_batch < args.max_batch:
+        print("flashdraft: note: the target has sliding-window layers, which cannot be batched: decoding one request "
+              "at a time", file=sys.stderr)
     if not is_loopback(args.host):
         print("flashdraft: warning: listening beyond loopback; the server has no authentication", file=sys.stderr)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",

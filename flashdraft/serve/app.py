@@ -8,6 +8,7 @@ import signal
 import sys
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 import uvicorn
@@ -21,6 +22,7 @@ from .protocol import (ApiError, Parsed, Served, chunk_body, completion_body, ex
 from .scheduler import Scheduler
 
 POLL_S = 0.25  # how often a non-streaming handler checks whether its client is still there
+PARSE_THREADS = 2  # requests are parsed and tokenized off the event loop, each thread with its own tokenizer
 
 ABORTS = {"timeout": (504, "timeout_error", "request_timeout"), "shutdown": (503, "unavailable_error", "shutting_down"),
           "client": (499, "cancelled", "client_closed_request")}
@@ -95,17 +97,19 @@ class JobStream(StreamingResponse):
 def create_app(scheduler: Scheduler, served: Served) -> FastAPI:
     """The OpenAI-compatible app around one scheduler (one model)."""
     started = now()
+    pool = ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="flashdraft-parse")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await scheduler.start()
         yield
         await scheduler.stop()
+        pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="flashdraft", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     add_error_handlers(app, scheduler)
     add_info_routes(app, scheduler, served, started)
-    add_completion_routes(app, scheduler, served)
+    add_completion_routes(app, scheduler, served, pool)
     return app
 
 
@@ -133,12 +137,12 @@ def add_info_routes(app: FastAPI, scheduler: Scheduler, served: Served, started:
     @app.get("/health")
     async def health():
         body = {"status": "draining" if scheduler.draining else "ok", "model": served.ids[0],
-                "queued": scheduler.queued, "running": int(scheduler.running is not None)}
+                "queued": scheduler.queued, "running": scheduler.running}
         return JSONResponse(body, 503 if scheduler.draining else 200)
 
     @app.get("/metrics")
     async def metrics():
-        text = scheduler.metrics.render(scheduler.queued, int(scheduler.running is not None), scheduler.draining)
+        text = scheduler.render_metrics()
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     def model_card(mid: str) -> dict:
@@ -156,7 +160,7 @@ def add_info_routes(app: FastAPI, scheduler: Scheduler, served: Served, started:
         return model_card(mid)
 
 
-def add_completion_routes(app: FastAPI, scheduler: Scheduler, served: Served) -> None:
+def add_completion_routes(app: FastAPI, scheduler: Scheduler, served: Served, pool: ThreadPoolExecutor) -> None:
     """/v1/chat/completions and /v1/completions, streaming or not."""
     engine, limits = scheduler.engine, scheduler.limits
 
@@ -164,7 +168,9 @@ def add_completion_routes(app: FastAPI, scheduler: Scheduler, served: Served) ->
         try:
             if scheduler.draining:
                 raise ApiError(503, "the server is shutting down", "unavailable_error", code="shutting_down")
-            parsed = parse(kind, parse_json(await read_body(request, limits.max_body)), served)
+            raw = await read_body(request, limits.max_body)
+            parsed = await asyncio.get_running_loop().run_in_executor(
+                pool, lambda: parse(kind, parse_json(raw), served))  # tokenizing a long prompt takes a while
             return parsed, scheduler.submit(parsed.gen, parsed.stream)
         except ApiError as e:
             scheduler.metrics.record(outcome_of(e.status))

@@ -1,18 +1,27 @@
-"""The decode side of the server: one generation at a time in a worker thread, text deltas out, stop strings,
-cancellation at block boundaries. No web code here."""
+"""The decode side of the server: one worker thread owns a batched decoder; requests join it at cycle boundaries (up
+to max_batch), get their text deltas per cycle, and leave when done, stopped, cancelled or out of time. No web code."""
 
 from __future__ import annotations
 
 import asyncio
+import copy
+import queue
 import threading
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import torch
 
-from ..decoding import DecodeSettings, Session, mean_acceptance
+from ..decoding import Cycle, DecodeSettings, GenerationResult, Session, mean_acceptance
+from ..decoding.batch import BatchDecoder
 from ..models import Target
+from ..target_batch import supports_batch
+
+RATE_WINDOW_S = 10.0  # /metrics tokens per second: output tokens over this many recent seconds
+HOLD_IDS = 64  # the detokenizer's window never waits for a character to complete over more ids than this
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 @dataclass
@@ -37,18 +46,32 @@ class Outcome:
     finish_reason: str  # "stop" (stop token or stop string) or "length"
     acceptance_lengths: list[int]
     timing: dict
+    batch: int = 1  # the most sequences any of its cycles was decoded with
 
     @property
     def tau(self) -> float:
         return mean_acceptance(self.acceptance_lengths)
 
 
-class Aborted(Exception):
-    """The generation was stopped at a block boundary: reason is "client", "timeout" or "shutdown"."""
+class PerThread:
+    """The tokenizer, one copy per thread: a Hugging Face fast tokenizer shared across threads can fail with
+    "RuntimeError: Already borrowed", and a lock would make the decode thread wait on a long prompt's encoding."""
 
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
+    def __init__(self, tokenizer):
+        self.base, self.local, self.lock = tokenizer, threading.local(), threading.Lock()
+
+    def get(self):
+        """This thread's copy (made on first use; None without a tokenizer)."""
+        tok = getattr(self.local, "tok", None)
+        if tok is None and self.base is not None:
+            with self.lock:  # copies read the original: one at a time
+                tok = self.local.tok = copy.deepcopy(self.base)
+        return tok
+
+    def decode(self, ids: list[int]) -> str:
+        """As Target.decode, on this thread's copy."""
+        tok = self.get()
+        return tok.decode(ids, skip_special_tokens=True) if tok is not None else ""
 
 
 @dataclass(eq=False)
@@ -63,62 +86,91 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     reason: str = ""
     admitted: float = field(default_factory=time.monotonic)
+    state: str = "queued"  # "queued" → "running" (in the batch) → "ended"; written by the worker only
+    seq: object = None  # the worker's: its decoder sequence, text tracker, wait and largest batch
+    tracker: TextTracker | None = None
+    queue_s: float = 0.0
+    batch: int = 1
 
     def abort(self, reason: str) -> None:
-        """Ask the worker to stop at the next block boundary (the first reason wins)."""
+        """Ask the worker to drop the job at the next cycle boundary (the first reason wins)."""
         if not self.cancel.is_set():
             self.reason = reason
             self.cancel.set()
 
     def emit(self, kind: str, payload) -> None:
         """Thread-safe: ("delta", text), ("done", Outcome) or ("aborted" | "error", reason / message)."""
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+        except RuntimeError:  # the event loop has closed (shutdown): nobody is listening
+            pass
 
 
 class TextTracker:
-    """Incremental detokenization: hands out text only once it cannot change (no half character, no partial stop
-    string), and cuts the output at the first stop string."""
+    """Incremental detokenization (as vLLM / TextIteratorStreamer): each cycle decodes only a window of recent ids,
+    hands out text only once it cannot change (no half character, no trailing space a later token may clean up, no
+    partial stop string), and cuts the output at the first stop string."""
 
     def __init__(self, decode_ids: Callable[[list[int]], str], stops: list[str]):
         self.decode, self.stops = decode_ids, stops
+        self.longest = max(map(len, stops), default=0)
         self.ids: list[int] = []
-        self.text = ""
+        self.text = ""  # the text of ids (without a trailing incomplete character)
         self.sent = 0
         self.stopped = False
+        self.prefix = self.read = 0  # the window: ids[prefix:read] decode to the text before `fixed`
+        self.fixed = 0
 
     def add(self, new: list[int]) -> str:
         """Take newly emitted ids; return the text that may be sent now."""
         base = len(self.ids)
-        self.ids = self.ids + new
-        self.text = self.decode(self.ids)
-        cut = self._find_stop(self.text)
+        self.ids.extend(new)
+        piece, settled = self._window(len(self.ids))
+        text = self.text[:self.fixed] + piece
+        cut = self._find_stop(text)
         if cut is None:
+            self.text = text
+            if settled or len(self.ids) - self.prefix > HOLD_IDS:
+                self.prefix, self.read, self.fixed = self.read, len(self.ids), len(text)
             return self._take(self._settled_end())
         # a block can run past the stop string: keep the fewest ids whose text already contains it
         for k in range(base + 1, len(self.ids) + 1):
-            if self._find_stop(self.decode(self.ids[:k])) is not None:
-                self.ids = self.ids[:k]
+            if self._find_stop(self.text[:self.fixed] + self._window(k)[0]) is not None:
+                del self.ids[k:]
                 break
-        self.text, self.stopped = self.text[:cut], True
+        self.text, self.stopped = text[:cut], True
         return self._take(len(self.text))
 
     def finish(self) -> str:
         """The text still held back (sent when the generation ends)."""
+        if not self.stopped and self.read < len(self.ids):
+            self.text = self.text[:self.fixed] + self._window(len(self.ids), final=True)[0]
         return self._take(len(self.text))
 
+    def _window(self, end: int, final: bool = False) -> tuple[str, bool]:
+        """(text of ids[read:end] in the context of ids[prefix:read], whether it is settled); unless final, without
+        a trailing incomplete character."""
+        before = self.decode(self.ids[self.prefix:self.read]) if self.read > self.prefix else ""
+        new = self.decode(self.ids[self.prefix:end])[len(before):]
+        if final:
+            return new, True
+        piece = new.rstrip("\ufffd")
+        return piece, piece == new and not piece[-1:].isspace()
+
     def _find_stop(self, text: str) -> int | None:
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        start = max(0, self.fixed - self.longest + 1)  # text before `fixed` was searched in earlier cycles
+        hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
         return min(hits) if hits else None
 
     def _settled_end(self) -> int:
         end = len(self.text)
+        while end > self.sent and self.text[end - 1].isspace():  # a trailing space waits: the next token may
+            end -= 1  # clean it up (" ." → ".")
         for s in self.stops:  # hold back a tail that may grow into a stop string
-            for n in range(min(len(s) - 1, end), 0, -1):
+            for n in range(min(len(s) - 1, len(self.text)), 0, -1):
                 if self.text.endswith(s[:n]):
                     end = min(end, len(self.text) - n)
                     break
-        while end > self.sent and self.text[end - 1] == "\ufffd":  # an incomplete multi-byte character
-            end -= 1
         return end
 
     def _take(self, end: int) -> str:
@@ -127,59 +179,191 @@ class TextTracker:
         return delta
 
 
-class Engine:
-    """A loaded target + drafter and the settings every request shares (block size, DLoop, prompt lookup, tree);
-    each request brings its own length, sampling settings and seed."""
+class Stats:
+    """What the worker measures for /metrics: the batch now, batched steps by size, and tokens per second over the
+    last RATE_WINDOW_S seconds. Written by the worker, read by the event loop."""
 
-    def __init__(self, target: Target, drafter: torch.nn.Module | None, settings: DecodeSettings = DecodeSettings()):
+    def __init__(self):
+        self.lock, self.started = threading.Lock(), time.monotonic()
+        self.batch = self.steps = self.rows = self.tokens = 0
+        self.sizes = dict.fromkeys(BATCH_BUCKETS, 0)  # steps with at most this many rows (cumulative when read)
+        self.recent: deque[tuple[float, int]] = deque()
+
+    def step(self, rows: int, tokens: int) -> None:
+        with self.lock:
+            self.steps, self.rows = self.steps + 1, self.rows + rows
+            for b in BATCH_BUCKETS:
+                self.sizes[b] += rows <= b
+        self.emitted(tokens)
+
+    def emitted(self, tokens: int) -> None:
+        with self.lock:
+            self.tokens += tokens
+            self.recent.append((time.monotonic(), tokens))
+
+    def tokens_per_s(self) -> float:
+        """Output tokens per second over the last RATE_WINDOW_S seconds (less since the start)."""
+        t = time.monotonic()
+        with self.lock:
+            while self.recent and self.recent[0][0] < t - RATE_WINDOW_S:
+                self.recent.popleft()
+            n = sum(k for _, k in self.recent)
+        return n / max(min(RATE_WINDOW_S, t - self.started), 1e-3)
+
+
+class SoloDecoder:
+    """BatchDecoder's interface over one Session at a time, for targets it cannot batch (sliding-window layers)."""
+
+    def __init__(self, model: torch.nn.Module, drafter: torch.nn.Module | None):
+        self.model, self.drafter, self.active = model, drafter, []
+
+    def join(self, prompt_ids: list[int], settings: DecodeSettings, key: object = None) -> tuple[Session, Cycle]:
+        seq = Session(self.model, self.drafter, prompt_ids, settings)
+        seq.key, cycle = key, seq.prefill()
+        self.active = [] if seq.done else [seq]
+        return seq, cycle
+
+    def step(self) -> list[tuple[Session, Cycle]]:
+        out = [(seq, seq.step()) for seq in self.active]
+        self.active = [seq for seq in self.active if not seq.done]
+        return out
+
+    def leave(self, seq: Session) -> None:
+        if seq in self.active:
+            self.active.remove(seq)
+
+    def result(self, seq: Session) -> GenerationResult:
+        return seq.finish()
+
+
+Decoder = BatchDecoder | SoloDecoder
+
+
+class Engine:
+    """A loaded target + drafter, the settings every request shares (block size, DLoop, prompt lookup, tree) and the
+    worker thread that decodes up to max_batch requests together; each request brings its own length, sampling
+    settings and seed."""
+
+    def __init__(self, target: Target, drafter: torch.nn.Module | None, settings: DecodeSettings = DecodeSettings(),
+                 max_batch: int = 8, adaptive: bool = True, tokens: PerThread | None = None):
         self.target, self.drafter, self.settings = target, drafter, settings.validate()
         self.block_size = settings.resolve(drafter.config.block_size if drafter is not None else None).block_size
         self.stop_ids = target.stop_token_ids()
+        self.batched = supports_batch(target.model)
+        self.max_batch, self.adaptive = (max_batch if self.batched else 1), adaptive
+        self.tokens = tokens or PerThread(target.tokenizer)
+        self.inbox: queue.Queue[Job | None] = queue.Queue()
+        self.live: list[Job] = []  # the worker's: jobs in the batch
+        self.stats = Stats()
+        self.thread: threading.Thread | None = None
 
-    def session(self, req: GenRequest) -> Session:
-        """The decoding session for req: the same setup as flashdraft.generate_ids (so outputs are identical)."""
-        settings = self.settings.updated(max_new_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k,
-                                         top_p=req.top_p, seed=req.seed, stop_token_ids=self.stop_ids)
-        return Session(self.target.model, self.drafter, req.prompt_ids, settings)
+    def decoder(self) -> Decoder:
+        if not self.batched:
+            return SoloDecoder(self.target.model, self.drafter)
+        return BatchDecoder(self.target.model, self.drafter, self.settings, adaptive=self.adaptive)
 
-    def run(self, job: Job) -> None:
-        """Worker thread: generate job.request, emitting text deltas per accepted block, then one final event."""
+    def settings_for(self, req: GenRequest) -> DecodeSettings:
+        """req's settings: the same as flashdraft.generate_ids gets (so outputs are identical)."""
+        return self.settings.updated(max_new_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k,
+                                     top_p=req.top_p, seed=req.seed, stop_token_ids=self.stop_ids)
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self.work, name="flashdraft-decode", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.inbox.put(None)
+
+    def submit(self, job: Job) -> None:
+        self.inbox.put(job)
+
+    # ---------------------------------------------------------------- the worker thread
+
+    def work(self) -> None:
+        """Admit waiting jobs into free rows, drop cancelled or late ones, run one batched cycle; repeat."""
+        dec = self.decoder()
+        self.tokens.get()  # this thread's tokenizer copy, made before the first request needs it
+        while self.admit(dec):
+            self.sweep(dec)
+            if not dec.active:
+                continue
+            try:
+                results = dec.step()
+            except Exception as e:  # the batch's state is unknown: fail its requests, start a fresh decoder
+                for job in list(self.live):
+                    self.end(job, "error", f"{type(e).__name__}: {e}")
+                dec = self.decoder()
+                continue
+            self.stats.step(len(results), sum(len(c.emitted) for _, c in results))
+            for seq, cycle in results:
+                seq.key.batch = max(seq.key.batch, len(results))
+                self.advance(dec, seq.key, cycle)
+
+    def admit(self, dec: Decoder) -> bool:
+        """Join waiting jobs while there are free rows (waiting for one when idle); False once stopped."""
+        while len(self.live) < self.max_batch:
+            try:
+                job = self.inbox.get_nowait() if self.live else self.inbox.get()
+            except queue.Empty:
+                return True
+            if job is None:
+                return False
+            self.join(dec, job)
+        return True
+
+    def join(self, dec: Decoder, job: Job) -> None:
+        """Prefill job's prompt and add it to the batch, unless it was cancelled or timed out while it waited."""
+        if job.cancel.is_set() or time.monotonic() > job.deadline:
+            return self.end(job, "aborted", job.reason or ("client" if job.cancel.is_set() else "timeout"))
+        job.queue_s = time.monotonic() - job.admitted
+        job.tracker = TextTracker(self.tokens.decode, job.request.stops)
         try:
-            job.emit("done", self._generate(job))
-        except Aborted as e:
-            job.emit("aborted", e.reason)
-        except Exception as e:  # reported to the client as a 500; the worker keeps serving
-            job.emit("error", f"{type(e).__name__}: {e}")
+            job.seq, cycle = dec.join(job.request.prompt_ids, self.settings_for(job.request), key=job)
+        except Exception as e:  # reported to the client as a 500; the others keep decoding
+            return self.end(job, "error", f"{type(e).__name__}: {e}")
+        job.state = "running"
+        self.live.append(job)
+        self.stats.batch = len(self.live)
+        self.stats.emitted(len(cycle.emitted))
+        self.advance(dec, job, cycle)
 
-    def _generate(self, job: Job) -> Outcome:
-        req = job.request
-        queue_s = time.monotonic() - job.admitted
-        self._check(job)
-        tracker = TextTracker(self.target.decode, req.stops)
-        t0 = time.perf_counter()
-        session = self.session(req)  # its KV caches are freed here, in this thread, when it goes out of scope
-        for cycle in session:
-            delta = tracker.add(cycle.emitted)
+    def sweep(self, dec: Decoder) -> None:
+        """Cycle boundary: drop the jobs whose client left, whose deadline passed, or that shutdown cancelled."""
+        for job in list(self.live):
+            if time.monotonic() > job.deadline:
+                job.abort("timeout")
+            if job.cancel.is_set():
+                dec.leave(job.seq)
+                self.end(job, "aborted", job.reason or "client")
+
+    def advance(self, dec: Decoder, job: Job, cycle: Cycle) -> None:
+        """Hand out the cycle's settled text; finish the job when its sequence is done or a stop string ends it."""
+        try:
+            delta = job.tracker.add(cycle.emitted)
             if delta and job.stream:
                 job.emit("delta", delta)
-            if tracker.stopped:
-                break
-            self._check(job)
+            if job.tracker.stopped or job.seq.done:
+                dec.leave(job.seq)
+                self.end(job, "done", self.outcome(dec, job))
+        except Exception as e:
+            dec.leave(job.seq)
+            self.end(job, "error", f"{type(e).__name__}: {e}")
+
+    def outcome(self, dec: Decoder, job: Job) -> Outcome:
+        tracker = job.tracker
         rest = tracker.finish()
         if rest and job.stream:
             job.emit("delta", rest)
-        timing = session.finish().timing
-        ids = tracker.ids
-        timing.close(time.perf_counter() - t0, len(ids))
+        timing, ids = dec.result(job.seq).timing, tracker.ids
+        timing.close(timing.total_s, len(ids))
         stopped = tracker.stopped or (bool(ids) and ids[-1] in self.stop_ids)
-        return Outcome(ids, tracker.text, "stop" if stopped else "length", [c.accepted + 1 for c in session.cycles],
-                       {**asdict(timing), "queue_s": queue_s})
+        return Outcome(ids, tracker.text, "stop" if stopped else "length",
+                       [c.accepted + 1 for c in job.seq.cycles], {**asdict(timing), "queue_s": job.queue_s},
+                       job.batch)
 
-    @staticmethod
-    def _check(job: Job) -> None:
-        """Block boundary: stop here if the client left, the server is shutting down or the deadline passed."""
-        if job.cancel.is_set():
-            raise Aborted(job.reason or "client")
-        if time.monotonic() > job.deadline:
-            job.abort("timeout")
-            raise Aborted("timeout")
+    def end(self, job: Job, kind: str, payload) -> None:
+        job.state = "ended"
+        if job in self.live:
+            self.live.remove(job)
+        self.stats.batch = len(self.live)
+        job.emit(kind, payload)

@@ -6,14 +6,14 @@ import json
 import secrets
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .. import target as T
 from ..models import Target
-from .engine import GenRequest, Outcome
+from .engine import GenRequest, Outcome, PerThread
 
 
 class ApiError(Exception):
@@ -69,11 +69,22 @@ class CompletionRequest(Common):
     prompt: str | list[int] | list[str]
 
 
-# fields that would change the answer if silently ignored: the values that mean "off" are accepted
-UNSUPPORTED = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None, False, 0),
-               "top_logprobs": (None, 0), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-               "repetition_penalty": (None, 1), "logit_bias": (None, {}), "tools": (None, []),
-               "functions": (None, []), "suffix": (None, ""), "min_tokens": (None, 0)}
+# fields that would change the answer if silently ignored: the values that mean "off" are accepted; the rest get a 400
+# naming the field (fields that do not change the answer, such as user, metadata, store or stream_options, pass)
+OFF, NONE, FALSE, EMPTY = (None,), (None, False, 0), (None, False), (None, [], {}, "")
+UNSUPPORTED = {
+    "n": (None, 1), "best_of": (None, 1), "echo": FALSE, "suffix": EMPTY, "logprobs": NONE, "top_logprobs": NONE,
+    "prompt_logprobs": OFF, "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1), "length_penalty": (None, 1), "logit_bias": EMPTY, "min_p": (None, 0),
+    "typical_p": (None, 1), "min_tokens": (None, 0), "ignore_eos": FALSE, "use_beam_search": FALSE,
+    "stop_token_ids": EMPTY, "bad_words": EMPTY, "allowed_token_ids": OFF, "include_stop_str_in_output": FALSE,
+    "skip_special_tokens": (None, True), "response_format": (None, {"type": "text"}), "tools": EMPTY,
+    "functions": EMPTY, "tool_choice": (None, "none", "auto"), "function_call": (None, "none", "auto"),
+    "structured_outputs": OFF, "logits_processors": EMPTY, "prediction": OFF, "audio": OFF,
+    "modalities": (None, ["text"]), "web_search_options": OFF, "chat_template": OFF, "chat_template_kwargs": EMPTY,
+    "add_generation_prompt": (None, True), "continue_final_message": FALSE, "documents": EMPTY,
+}
+UNSUPPORTED_PREFIXES = ("guided_",)  # vLLM's guided_json, guided_regex, guided_choice, guided_grammar, …
 MAX_STOPS = 4
 MAX_SEED = 2 ** 63 - 1
 
@@ -85,6 +96,10 @@ class Served:
     ids: list[str]
     target: Target
     default_max_tokens: int = 256
+    tokens: PerThread | None = field(default=None, repr=False)  # per-thread tokenizer copies (default: own ones)
+
+    def __post_init__(self) -> None:
+        self.tokens = self.tokens or PerThread(self.target.tokenizer)
 
     @property
     def context(self) -> int:
@@ -124,10 +139,15 @@ def _validate(cls: type[BaseModel], body: dict) -> Any:
         raise ApiError(400, f"{'.'.join(loc) or 'body'}: {err['msg']}", param=loc[0] if loc else None) from None
 
 
+def _same(value: Any, off: Any) -> bool:
+    """value == off, where a bool only equals a bool (n=true is not n=1)."""
+    return isinstance(value, bool) == isinstance(off, bool) and value == off
+
+
 def _check_unsupported(body: dict) -> None:
-    for name, off in UNSUPPORTED.items():
-        value = body.get(name)
-        if value is not None and not any(value == v for v in off):
+    for name, value in body.items():
+        off = UNSUPPORTED.get(name, OFF if name.startswith(UNSUPPORTED_PREFIXES) else None)
+        if off is not None and value is not None and not any(_same(value, v) for v in off):
             raise ApiError(400, f"{name}={json.dumps(value)} is not supported by this server", param=name,
                            code="unsupported_parameter")
 
@@ -185,7 +205,8 @@ def _max_tokens(req: Common, served: Served, n_prompt: int, prompt_param: str) -
 
 
 def _tokenizer(served: Served):
-    tok = served.target.tokenizer
+    """This thread's copy of the tokenizer (requests are parsed in a thread pool)."""
+    tok = served.tokens.get()
     if tok is None:
         raise ApiError(400, "the served target has no tokenizer: send token ids as the prompt of /v1/completions",
                        param="prompt")
@@ -216,8 +237,7 @@ def completion_ids(prompt: str | list[int] | list[str], served: Served) -> list[
     if not prompt:
         raise ApiError(400, "the prompt is empty", param="prompt")
     if isinstance(prompt, str):
-        _tokenizer(served)
-        return served.target.encode(prompt, chat=False)
+        return replace(served.target, tokenizer=_tokenizer(served)).encode(prompt, chat=False)
     bad = [i for i in prompt if not 0 <= i < served.vocab]
     if bad:
         raise ApiError(400, f"prompt token ids {bad[:5]} are outside the vocabulary 0..{served.vocab - 1}",
@@ -251,9 +271,10 @@ def usage(gen: GenRequest, out: Outcome) -> dict:
 
 
 def extension(gen: GenRequest, out: Outcome, block_size: int) -> dict:
-    """The flashdraft field: τ, acceptance lengths, the timing split, and what exactly was decoded."""
+    """The flashdraft field: τ, acceptance lengths, the timing split, what exactly was decoded, and the most
+    sequences its cycles were batched with."""
     return {"tau": out.tau, "acceptance_lengths": out.acceptance_lengths, "timing": out.timing,
-            "output_ids": out.output_ids, "block_size": block_size, "seed": gen.seed}
+            "output_ids": out.output_ids, "block_size": block_size, "seed": gen.seed, "batch": out.batch}
 
 
 def completion_body(kind: str, rid: str, model: str, created: int, gen: GenRequest, out: Outcome,

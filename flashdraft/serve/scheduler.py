@@ -1,14 +1,13 @@
-"""Admission and the single decode worker: a bounded number of admitted requests, one generation at a time
-(the model is not thread-safe and a generation already uses the CPU), draining on shutdown, and the counters."""
+"""Admission and the counters: up to max_batch decoding together plus max_queue waiting, 429 beyond, draining on
+shutdown; the decoding itself runs in the engine's one worker thread (the model is not thread-safe)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from .engine import Engine, GenRequest, Job, Outcome
+from .engine import BATCH_BUCKETS, Engine, GenRequest, Job, Outcome, Stats
 from .protocol import ApiError
 
 OUTCOMES = ("ok", "bad_request", "rejected", "unavailable", "timeout", "cancelled", "error")
@@ -16,7 +15,7 @@ OUTCOMES = ("ok", "bad_request", "rejected", "unavailable", "timeout", "cancelle
 
 @dataclass
 class Limits:
-    max_queue: int = 8  # requests that may wait while one is decoded; past that: 429
+    max_queue: int = 8  # requests that may wait while the batch is full; past that: 429
     request_timeout: float = 300.0  # seconds from admission (waiting included) to the last token
     max_body: int = 1 << 20  # bytes
     shutdown_timeout: float = 30.0  # after SIGTERM, admitted work gets this long before it is cancelled
@@ -39,64 +38,84 @@ class Metrics:
             self.accepted += sum(out.acceptance_lengths)
             self.decode_s += out.timing["total_s"]
 
-    def render(self, queued: int, running: int, draining: bool) -> str:
+    def render(self, queued: int, stats: Stats, max_batch: int, draining: bool) -> str:
         lines = ["# HELP flashdraft_requests_total Requests by outcome.", "# TYPE flashdraft_requests_total counter"]
         lines += [f'flashdraft_requests_total{{outcome="{k}"}} {v}' for k, v in self.requests.items()]
         tau = self.accepted / self.cycles if self.cycles else 0.0
         for name, kind, value, help_ in [
             ("prompt_tokens_total", "counter", self.prompt_tokens, "Prompt tokens of completed requests."),
             ("completion_tokens_total", "counter", self.completion_tokens, "Tokens generated for completed requests."),
-            ("cycles_total", "counter", self.cycles, "Target verify passes (draft-verify cycles)."),
+            ("cycles_total", "counter", self.cycles, "Draft-verify cycles of completed requests."),
             ("accepted_tokens_total", "counter", self.accepted, "Sum of acceptance lengths."),
             ("decode_seconds_total", "counter", round(self.decode_s, 6), "Seconds spent decoding completed requests."),
             ("mean_tau", "gauge", round(tau, 6), "Mean acceptance length over all cycles so far."),
-            ("queued_requests", "gauge", queued, "Admitted requests waiting for the decoder."),
-            ("running_requests", "gauge", running, "Requests being decoded (0 or 1)."),
+            ("generated_tokens_total", "counter", stats.tokens, "Tokens decoded for any request, finished or not."),
+            ("tokens_per_second", "gauge", round(stats.tokens_per_s(), 3), "Tokens decoded per second, last 10 s."),
+            ("batch_steps_total", "counter", stats.steps, "Batched cycles (one target verify for the whole batch)."),
+            ("batch_size", "gauge", stats.batch, "Sequences in the batch now."),
+            ("max_batch", "gauge", max_batch, "Sequences that may decode together (--max-batch)."),
+            ("queued_requests", "gauge", queued, "Admitted requests waiting for a place in the batch."),
+            ("running_requests", "gauge", stats.batch, "Requests being decoded (the sequences in the batch)."),
             ("draining", "gauge", int(draining), "1 after SIGTERM: new requests are refused."),
         ]:
             name = f"flashdraft_{name}"
             lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines + histogram(stats)) + "\n"
+
+
+def histogram(stats: Stats) -> list[str]:
+    """Batched cycles by their number of sequences, as a Prometheus histogram."""
+    name = "flashdraft_step_batch_size"
+    lines = [f"# HELP {name} Sequences per batched cycle.", f"# TYPE {name} histogram"]
+    lines += [f'{name}_bucket{{le="{b}"}} {stats.sizes[b]}' for b in BATCH_BUCKETS]
+    return lines + [f'{name}_bucket{{le="+Inf"}} {stats.steps}', f"{name}_sum {stats.rows}",
+                    f"{name}_count {stats.steps}"]
 
 
 class Scheduler:
-    """Admits up to 1 + max_queue requests and feeds them, in order, to one decode thread."""
+    """Admits up to max_batch + max_queue requests and hands them, in order, to the engine's worker thread."""
 
     def __init__(self, engine: Engine, limits: Limits):
         self.engine, self.limits, self.metrics = engine, limits, Metrics()
         self.admitted: set[Job] = set()  # until the handler has seen the job end
-        self.running: Job | None = None
         self.draining = False
-        self._queue: asyncio.Queue[Job] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._worker: asyncio.Task | None = None
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="flashdraft-decode")
 
     async def start(self) -> None:
-        self._loop, self._queue = asyncio.get_running_loop(), asyncio.Queue()
-        self._worker = asyncio.create_task(self._work())
+        self._loop = asyncio.get_running_loop()
+        self.engine.start()
 
     async def stop(self) -> None:
         self.cancel_all("shutdown")
-        if self._worker:
-            self._worker.cancel()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.engine.stop()
+
+    @property
+    def capacity(self) -> int:
+        return self.engine.max_batch + self.limits.max_queue
 
     @property
     def queued(self) -> int:
-        return len(self.admitted) - (self.running in self.admitted)
+        return sum(job.state == "queued" for job in self.admitted)
+
+    @property
+    def running(self) -> int:
+        """Sequences in the batch now."""
+        return self.engine.stats.batch
+
+    def render_metrics(self) -> str:
+        return self.metrics.render(self.queued, self.engine.stats, self.engine.max_batch, self.draining)
 
     def submit(self, gen: GenRequest, stream: bool) -> Job:
         """Admit a request or refuse it at once (503 while draining, 429 when full): never a hang."""
         if self.draining:
             raise ApiError(503, "the server is shutting down", "unavailable_error", code="shutting_down")
-        if len(self.admitted) >= 1 + self.limits.max_queue:
-            raise ApiError(429, f"the server is busy: {len(self.admitted)} requests admitted, queue limit "
-                                f"{self.limits.max_queue}; retry later", "rate_limit_error", code="queue_full",
-                           headers={"Retry-After": "1"})
+        if len(self.admitted) >= self.capacity:
+            raise ApiError(429, f"the server is busy: {len(self.admitted)} requests admitted ({self.engine.max_batch} "
+                                f"decoding together, queue limit {self.limits.max_queue}); retry later",
+                           "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
         job = Job(gen, time.monotonic() + self.limits.request_timeout, self._loop, stream)
         self.admitted.add(job)
-        self._queue.put_nowait(job)
+        self.engine.submit(job)
         return job
 
     def finish(self, job: Job, outcome: str, out: Outcome | None = None) -> None:
@@ -117,15 +136,3 @@ class Scheduler:
     def cancel_all(self, reason: str) -> None:
         for job in list(self.admitted):
             job.abort(reason)
-
-    async def _work(self) -> None:
-        while True:
-            job = await self._queue.get()
-            if job.cancel.is_set() or job not in self.admitted:  # its client left while it waited
-                job.emit("aborted", job.reason or "client")
-                continue
-            self.running = job
-            try:
-                await self._loop.run_in_executor(self._executor, self.engine.run, job)
-            finally:
-                self.running = None
