@@ -126,8 +126,9 @@ def start_server(serve_args: list[str], mode: str, startup_s: float = 600) -> tu
     """`flashdraft serve --port 0 …` for one mode; returns the process and its base URL once /health answers."""
     cmd = [sys.executable, "-m", "flashdraft.cli", "serve", "--port", "0", *serve_args, *MODES[mode]]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    end = time.monotonic() + startup_s
+    end, last = time.monotonic() + startup_s, ""
     for line in proc.stderr:
+        last = line.strip() or last
         if "serving" in line and "http://" in line:
             url = line.split("http://", 1)[1].split("/v1")[0]
             threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()  # keep the pipe drained
@@ -135,7 +136,7 @@ def start_server(serve_args: list[str], mode: str, startup_s: float = 600) -> tu
         if time.monotonic() > end:
             break
     proc.kill()
-    raise FlashdraftError(f"the {mode} server did not start: {' '.join(cmd)}")
+    raise FlashdraftError(f"the {mode} server did not start ({last or 'no output'}): {' '.join(cmd)}")
 
 
 def stop_server(proc: subprocess.Popen) -> None:
