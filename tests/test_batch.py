@@ -209,22 +209,29 @@ def test_cost_model_fits_a_line_and_forgets():
 def test_plan_speculates_when_verify_is_cheap_and_not_when_it_is_not():
     good = [Row(Acceptance(kept=8, rejected=2), 8) for _ in range(4)]  # α = 0.8
     flat, linear, draft = CostModel(), CostModel(), CostModel()
-    for x in (4, 32):
-        flat.observe(x, 0.050)  # a verify costs the same at any width (weight-read bound)
-        linear.observe(x, 0.010 * x)  # a verify costs per token (compute bound)
-        draft.observe(x, 0.001 * x)  # a drafter pass costs per row
-    assert max(plan(good, [1, 2, 4, 8], flat, draft, 8)[1]) == 8
-    assert plan(good, [1, 2, 4, 8], linear, draft, 8)[1] == [1, 1, 1, 1]
+    for w in (1, 8):  # costs at this batch size (4 rows) by padded width
+        flat.observe(w, 0.050)  # a verify costs the same at any width (weight-read bound)
+        linear.observe(w, 0.040 * w)  # a verify costs per position (compute bound)
+    for d in (1, 4):
+        draft.observe(d, 0.008 * d)  # drafting costs per row
+    assert max(plan(good, [1, 2, 4, 8], flat, draft)[1]) == 8
+    assert plan(good, [1, 2, 4, 8], linear, draft)[1] == [1, 1, 1, 1]
     bad = [Row(Acceptance(kept=0.1, rejected=10), 8)] + good[:3]  # one request the drafter cannot help
-    assert plan(bad, [1, 2, 4, 8], flat, draft, 8)[1][0] == 1
+    assert plan(bad, [1, 2, 4, 8], flat, draft)[1][0] == 1
 
 
-def test_adaptive_policy_measures_both_widths_first():
-    pol = AdaptivePolicy(8, 8)
+def test_adaptive_policy_measures_each_batch_size_at_two_widths_first():
+    pol = AdaptivePolicy(8)
     rows = [Row(Acceptance(), 8), Row(Acceptance(), 3)]
     assert pol.choose(rows) == [8, 3]
     pol.observe(2, 8, 0.05, 2, 0.01)
     assert pol.choose(rows) == [1, 1]
+    pol.observe(2, 1, 0.04, 0, 0.0)
+    assert pol.choose(rows[:1]) == [8]  # a new batch size is measured afresh: its costs are its own
+    pol.observe(1, 8, 0.03, 1, 0.005)
+    assert pol.choose(rows[:1]) == [1]
+    pol.observe(1, 1, 0.02, 0, 0.0)
+    assert max(pol.choose(rows)) > 1  # batch size 2, measured: verify 0.04 → 0.05 for 1 → 8, drafts cheap
 
 
 def test_batch_needs_full_attention():

@@ -1,8 +1,9 @@
 """Load-adaptive speculation (docs/adaptive.md): each cycle, the verify width of each sequence that maximises the
 batch's expected tokens per second, from pass costs measured online and each request's running acceptance.
 
-Costs: a verify of N rows padded to width w costs t_v ≈ a_v + c_v·N·w and a drafter pass over D rows of block B
-costs t_d ≈ a_d + c_d·D·B, both fitted by least squares over recent cycles with exponential forgetting, so they
+Costs, kept per batch size N (the shape the machine sees now): the part of a cycle that is not drafting (the padded
+verify of N rows, acceptance and commits) costs t_v(w) ≈ a_v + c_v·w at padded width w, and drafting for D rows
+costs t_d(D) ≈ a_d + c_d·D, both fitted by least squares over recent cycles with exponential forgetting, so they
 follow the machine as it is now (another process taking the cores shows up within a few cycles). Acceptance: each
 request's drafts are kept with a running rate α (drafts kept / drafts kept + first rejections, from a prior), so a
 width-w block yields E(w) = 1 + α + … + α^(w−1) tokens. The policy scans the widths, lets the rows whose expected
@@ -25,11 +26,13 @@ class CostModel:
     def __init__(self, half_life: float = HALF_LIFE):
         self.decay = 0.5 ** (1 / half_life)
         self.w = self.x = self.y = self.xx = self.xy = 0.0
+        self.amounts: set[float] = set()  # the amounts of work seen (a line needs two)
 
     def observe(self, x: float, t: float) -> None:
         d = self.decay
         self.w, self.x, self.y = d * self.w + 1, d * self.x + x, d * self.y + t
         self.xx, self.xy = d * self.xx + x * x, d * self.xy + x * t
+        self.amounts.add(x)
 
     @property
     def seen(self) -> bool:
@@ -77,19 +80,29 @@ class Row:
 
     acceptance: Acceptance
     max_width: int  # its own block (or tree rows), capped by the tokens it is still owed
+    span: int | None = None  # a tree: the most tokens a cycle can emit (its depth + 1); it verifies all its rows or none
+
+    def width(self, w: int) -> int:
+        """Its verify width in a batch of width w: a tree whole or not at all, a chain its first w positions."""
+        if self.span is not None:
+            return self.max_width if w > 1 else 1
+        return min(w, self.max_width)
+
+    def expected_tokens(self, width: int) -> float:
+        return self.acceptance.expected_tokens(width if self.span is None or width == 1 else self.span)
 
 
-def plan(rows: list[Row], widths: list[int], verify: CostModel, draft: CostModel,
-         draft_block: int) -> tuple[float, list[int]]:
-    """(expected tokens per second, each row's width) of the best plan over the candidate batch widths."""
+def plan(rows: list[Row], widths: list[int], verify: CostModel, draft: CostModel) -> tuple[float, list[int]]:
+    """(expected tokens per second, each row's width) of the best plan over the candidate batch widths, with this
+    batch size's costs: verify(padded width) and draft(drafting rows)."""
     best = (-1.0, [1] * len(rows))
     for w in widths:
-        own = [min(w, r.max_width) for r in rows]
-        gain = [r.acceptance.expected_tokens(k) - 1 for r, k in zip(rows, own)]
+        own = [r.width(w) for r in rows]
+        gain = [r.expected_tokens(k) - 1 for r, k in zip(rows, own)]
         spec = sorted((i for i, k in enumerate(own) if k > 1), key=lambda i: gain[i])
         while True:  # rows drop out of speculation, least useful first, while that speeds the batch up
             width = max((own[i] for i in spec), default=1)
-            cost = verify.predict(len(rows) * width) + (draft.predict(len(spec) * draft_block) if spec else 0.0)
+            cost = verify.predict(width) + (draft.predict(len(spec)) if spec else 0.0)
             rate = (len(rows) + sum(gain[i] for i in spec)) / max(cost, 1e-9)
             if rate > best[0]:
                 best = (rate, [own[i] if i in spec else 1 for i in range(len(rows))])
@@ -100,25 +113,32 @@ def plan(rows: list[Row], widths: list[int], verify: CostModel, draft: CostModel
 
 
 class AdaptivePolicy:
-    """Chooses each cycle's widths; told each cycle's measured costs."""
+    """Chooses each cycle's widths from the costs measured at the current batch size; told each cycle's costs."""
 
-    def __init__(self, max_width: int, draft_block: int):
+    def __init__(self, max_width: int):
         self.widths = sorted({1, 2, 3, 4, 6, 8, 12, 16, max_width} & set(range(1, max_width + 1)))
-        self.draft_block, self.verify, self.draft, self.cycle = draft_block, CostModel(), CostModel(), 0
+        self.verify: dict[int, CostModel] = {}  # per batch size: a cycle's cost but drafting, by padded width
+        self.draft: dict[int, CostModel] = {}  # per batch size: drafting's cost, by rows drafted
+        self.cycle = 0
+
+    def costs(self, rows: int) -> tuple[CostModel, CostModel]:
+        return self.verify.setdefault(rows, CostModel()), self.draft.setdefault(rows, CostModel())
 
     def choose(self, rows: list[Row]) -> list[int]:
         self.cycle += 1
-        if self.cycle <= 2:  # measure a speculative cycle first, then a plain one, before trusting the fit
-            return [r.max_width for r in rows] if self.cycle == 1 else [1] * len(rows)
+        verify, draft = self.costs(len(rows))
+        if len(verify.amounts) < 2:  # a batch size met first: measure its widest cycle, then a plain one
+            return [r.max_width for r in rows] if not verify.seen else [1] * len(rows)
         widths = self.widths
         if self.cycle % EXPLORE == 0:  # one other width, in turn, keeps every width's cost measured
             widths = [widths[(self.cycle // EXPLORE) % len(widths)]]
-        return plan(rows, widths, self.verify, self.draft, self.draft_block)[1]
+        return plan(rows, widths, verify, draft)[1]
 
     def observe(self, rows: int, width: int, verify_s: float, drafting_rows: int, draft_s: float) -> None:
-        self.verify.observe(rows * width, verify_s)
+        verify, draft = self.costs(rows)
+        verify.observe(width, verify_s)
         if drafting_rows:
-            self.draft.observe(drafting_rows * self.draft_block, draft_s)
+            draft.observe(drafting_rows, draft_s)
 
 
 class FixedPolicy:

@@ -80,7 +80,7 @@ class BatchDecoder:
         self.cache, self.active = BatchCache(model), []
         self.layer_ids = list(drafter.config.target_layer_ids) if drafter is not None else []
         block = self.settings.resolve(drafter.config.block_size if drafter else None).block_size
-        self.policy = AdaptivePolicy(max(block, 1 + (self.settings.tree or 0)), block) if adaptive else FixedPolicy()
+        self.policy = AdaptivePolicy(max(block, 1 + (self.settings.tree or 0))) if adaptive else FixedPolicy()
         self.vocab = T.vocab_size(model)
 
     # ---------------------------------------------------------------- joining and leaving
@@ -136,9 +136,9 @@ class BatchDecoder:
         blocks = [[q.state.tokens[-1]] + p.drafts.tolist() for q, p in zip(rows, proposals)]
         outs = forward_batch(self.model, blocks, [p.parents for p in proposals], self.cache, self.layer_ids)
         t3 = now(self.device)
-        self.policy.observe(len(rows), max(len(b) for b in blocks), t3 - t2, drafting, t2 - t1)
         results = [(q, self.commit(i, q, p, out, blocks[i])) for i, (q, p, out) in
                    enumerate(zip(rows, proposals, outs))]
+        self.policy.observe(len(rows), max(len(b) for b in blocks), now(self.device) - t2, drafting, t2 - t1)
         for q, _ in results:
             q.timing.draft_s += (t2 - t1) / len(rows)
             q.timing.verify_s += (t3 - t2) / len(rows)
@@ -152,7 +152,8 @@ class BatchDecoder:
         """Each row's verify width this cycle: the policy's for greedy rows; a sampled row always verifies its whole
         block, because its random draws follow the widths and a seed must give what `generate` gives."""
         own = [self.max_width(q) for q in rows]
-        chosen = self.policy.choose([Row(q.acceptance, w) for q, w in zip(rows, own)])
+        spans = [min(q.settings.block_size, q.state.end - q.state.position) if self.trees(q) else None for q in rows]
+        chosen = self.policy.choose([Row(q.acceptance, w, n) for q, w, n in zip(rows, own, spans)])
         return [c if q.settings.greedy else w for q, c, w in zip(rows, chosen, own)]
 
     def max_width(self, q: Sequence) -> int:
