@@ -8,7 +8,8 @@ follow the machine as it is now (another process taking the cores shows up withi
 request's drafts are kept with a running rate α (drafts kept / drafts kept + first rejections, from a prior), so a
 width-w block yields E(w) = 1 + α + … + α^(w−1) tokens. The policy scans the widths, lets the rows whose expected
 gain does not pay for their drafter share decode plainly, and keeps the best Σ E / (t_v + t_d). Every EXPLORE-th
-cycle it verifies another width instead, so the cost of every width stays measured.
+cycle it tries the other extreme instead (plain while speculating, the widest block while not), so a wrong choice
+is measured and undone within a few cycles.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 HALF_LIFE = 24  # observations: how quickly measured costs forget (contention changes are seen within ~a dozen)
-EXPLORE = 16  # every EXPLORE-th cycle verifies a width other than the best, keeping its cost measured
+EXPLORE = 8  # every EXPLORE-th cycle tries the other extreme (plain if speculating, the widest if not)
 PRIOR_KEPT, PRIOR_TRIED = 1.0, 2.0  # α starts at 0.5 and moves with each request's own cycles
 
 
@@ -119,7 +120,7 @@ class AdaptivePolicy:
         self.widths = sorted({1, 2, 3, 4, 6, 8, 12, 16, max_width} & set(range(1, max_width + 1)))
         self.verify: dict[int, CostModel] = {}  # per batch size: a cycle's cost but drafting, by padded width
         self.draft: dict[int, CostModel] = {}  # per batch size: drafting's cost, by rows drafted
-        self.cycle = 0
+        self.cycle, self.speculating = 0, True
 
     def costs(self, rows: int) -> tuple[CostModel, CostModel]:
         return self.verify.setdefault(rows, CostModel()), self.draft.setdefault(rows, CostModel())
@@ -129,10 +130,11 @@ class AdaptivePolicy:
         verify, draft = self.costs(len(rows))
         if len(verify.amounts) < 2:  # a batch size met first: measure its widest cycle, then a plain one
             return [r.max_width for r in rows] if not verify.seen else [1] * len(rows)
-        widths = self.widths
-        if self.cycle % EXPLORE == 0:  # one other width, in turn, keeps every width's cost measured
-            widths = [widths[(self.cycle // EXPLORE) % len(widths)]]
-        return plan(rows, widths, verify, draft)[1]
+        if self.cycle % EXPLORE == 0:  # the choice that matters most, speculate or not, stays measured both ways
+            return [1] * len(rows) if self.speculating else [r.max_width for r in rows]
+        chosen = plan(rows, self.widths, verify, draft)[1]
+        self.speculating = max(chosen) > 1
+        return chosen
 
     def observe(self, rows: int, width: int, verify_s: float, drafting_rows: int, draft_s: float) -> None:
         verify, draft = self.costs(rows)
