@@ -27,11 +27,11 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return DTYPES[key]
 
 
-def build_drafter(cfg: DrafterConfig) -> torch.nn.Module:
-    """Instantiate the module for cfg.arch with randomly initialised weights."""
-    if cfg.arch in ("dflash", "dflash2"):
-        return DFlashDrafter(cfg)
-    raise FlashdraftError(f"drafter architecture {cfg.arch!r} is not supported by this version of flashdraft")
+def build_drafter(config: DrafterConfig) -> torch.nn.Module:
+    """Instantiate the module for config.arch with randomly initialised weights."""
+    if config.arch in ("dflash", "dflash2"):
+        return DFlashDrafter(config)
+    raise FlashdraftError(f"drafter architecture {config.arch!r} is not supported by this version of flashdraft")
 
 
 # The official save_pretrained writes the selector codebooks as nn.Embedding weights; released checkpoints, vLLM and
@@ -68,9 +68,9 @@ def load_drafter(path: str | Path, dtype: str | torch.dtype | None = None, devic
     path = Path(path)
     if not path.is_dir():
         raise FlashdraftError(f"drafter {path} is not a directory; pass a folder with config.json and *.safetensors")
-    cfg = load_config(path)
+    config = load_config(path)
     state = read_weights(path)
-    model = build_drafter(cfg)
+    model = build_drafter(config)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
@@ -80,16 +80,16 @@ def load_drafter(path: str | Path, dtype: str | torch.dtype | None = None, devic
         raise FlashdraftError(f"{path}: unexpected weights {unexpected[:4]}{' …' if len(unexpected) > 4 else ''} "
                               f"({len(unexpected)} total); is config.json the one for these weights?")
     fc_in = state["fc.weight"].shape[-1]
-    if fc_in != len(cfg.target_layer_ids) * cfg.target_hidden_size:
+    if fc_in != len(config.target_layer_ids) * config.target_hidden_size:
         raise FlashdraftError(f"{path}: fc takes {fc_in} features but len(target_layer_ids) * target hidden size = "
-                              f"{len(cfg.target_layer_ids)} * {cfg.target_hidden_size}; config.json and weights disagree")
+                              f"{len(config.target_layer_ids)} * {config.target_hidden_size}; config.json and weights disagree")
     for name, tensor in expected.items():
         if state[name].shape != tensor.shape:
             raise FlashdraftError(f"{path}: weight {name} has shape {tuple(state[name].shape)}, "
                                   f"config.json implies {tuple(tensor.shape)}")
     model.load_state_dict(state)
-    model.draft_vocab = read_draft_vocab(path, cfg.vocab_size)
-    return model.to(device=device, dtype=parse_dtype(dtype or cfg.torch_dtype)).eval()
+    model.draft_vocab = read_draft_vocab(path, config.vocab_size)
+    return model.to(device=device, dtype=parse_dtype(dtype or config.torch_dtype)).eval()
 
 
 DRAFT_VOCAB = "draft_vocab.json"  # optional; engines that don't know it ignore it (it is not a weights file)
@@ -117,28 +117,28 @@ def draft_vocab_json(ids: torch.Tensor) -> str:
 
 def save_drafter(model: torch.nn.Module, path: str | Path, dtype: str | torch.dtype | None = None) -> None:
     """Write config.json + model.safetensors atomically in the official layout (no `model.` prefix)."""
-    cfg: DrafterConfig = model.config
+    config: DrafterConfig = model.config
     dtype = parse_dtype(dtype or next(model.parameters()).dtype)
-    cfg.torch_dtype = str(dtype).replace("torch.", "")
+    config.torch_dtype = str(dtype).replace("torch.", "")
     state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in model.state_dict().items()}
     with atomic_dir(path) as tmp:
-        (tmp / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if getattr(model, "draft_vocab", None) is not None:
             (tmp / DRAFT_VOCAB).write_text(draft_vocab_json(model.draft_vocab))
 
 
-def check_compatible(cfg: DrafterConfig, num_layers: int, hidden_size: int, vocab_size: int, where: str) -> None:
+def check_compatible(config: DrafterConfig, num_layers: int, hidden_size: int, vocab_size: int, where: str) -> None:
     """One-line errors for a drafter that cannot run on this target."""
-    bad = [i for i in cfg.target_layer_ids if not 0 <= i < num_layers]
+    bad = [i for i in config.target_layer_ids if not 0 <= i < num_layers]
     if bad:
         raise FlashdraftError(f"{where}: target_layer_ids {bad} are outside the target's layers 0..{num_layers - 1}; "
                               "this drafter was made for a different target")
-    if cfg.hidden_size != hidden_size:
-        raise FlashdraftError(f"{where}: drafter hidden_size {cfg.hidden_size} != target hidden size {hidden_size}; "
+    if config.hidden_size != hidden_size:
+        raise FlashdraftError(f"{where}: drafter hidden_size {config.hidden_size} != target hidden size {hidden_size}; "
                               "this drafter was made for a different target")
-    if cfg.vocab_size != vocab_size:
-        raise FlashdraftError(f"{where}: drafter vocab_size {cfg.vocab_size} != target vocabulary {vocab_size}; "
+    if config.vocab_size != vocab_size:
+        raise FlashdraftError(f"{where}: drafter vocab_size {config.vocab_size} != target vocabulary {vocab_size}; "
                               "this drafter was made for a different target")
-    if not 0 <= cfg.mask_token_id < vocab_size:
-        raise FlashdraftError(f"{where}: mask_token_id {cfg.mask_token_id} is outside the target vocabulary 0..{vocab_size - 1}")
+    if not 0 <= config.mask_token_id < vocab_size:
+        raise FlashdraftError(f"{where}: mask_token_id {config.mask_token_id} is outside the target vocabulary 0..{vocab_size - 1}")

@@ -171,30 +171,30 @@ def _scale(value, source: str) -> float | None:
     return float(value)
 
 
-def config_to_dict(cfg: DrafterConfig) -> dict:
+def config_to_dict(config: DrafterConfig) -> dict:
     """The official layout: Qwen3 fields at top level, DFlash fields in dflash_config (and block_size both)."""
-    d = asdict(cfg)
-    dflash = {"mask_token_id": cfg.mask_token_id, "target_layer_ids": cfg.target_layer_ids,
-              "block_size": cfg.block_size}
+    d = asdict(config)
+    dflash = {"mask_token_id": config.mask_token_id, "target_layer_ids": config.target_layer_ids,
+              "block_size": config.block_size}
     for key in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping"):
         if d[key] is not None:
             dflash[key] = d[key]
-    if cfg.arch == "dflash2":
+    if config.arch == "dflash2":
         for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
             dflash[key] = d[key]
-    arch_name = {v: k for k, v in ARCHITECTURES.items()}[cfg.arch]
+    arch_name = {v: k for k, v in ARCHITECTURES.items()}[config.arch]
     out = {"architectures": [arch_name], "model_type": "qwen3"}
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "rms_norm_eps", "vocab_size", "max_position_embeddings",
                 "rope_theta", "rope_scaling", "layer_types", "sliding_window", "attention_bias", "hidden_act"):
         out[key] = d[key]
-    out["use_sliding_window"] = "sliding_attention" in cfg.layer_types
-    if cfg.is_causal is not None:
-        out["is_causal"] = cfg.is_causal
+    out["use_sliding_window"] = "sliding_attention" in config.layer_types
+    if config.is_causal is not None:
+        out["is_causal"] = config.is_causal
     out["tie_word_embeddings"] = False
-    out["torch_dtype"] = cfg.torch_dtype
-    out["block_size"] = cfg.block_size
-    out["num_target_layers"] = cfg.num_target_layers
+    out["torch_dtype"] = config.torch_dtype
+    out["block_size"] = config.block_size
+    out["num_target_layers"] = config.num_target_layers
     out["dflash_config"] = dflash
     return out
 

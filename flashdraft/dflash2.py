@@ -31,9 +31,9 @@ def grouped_conv(x: torch.Tensor, base: torch.Tensor, delta: torch.Tensor, block
 class ShortConv(nn.Module):
     """A learned base kernel plus a per-position, per-channel-group correction predicted from the normed input."""
 
-    def __init__(self, cfg: DrafterConfig):
+    def __init__(self, config: DrafterConfig):
         super().__init__()
-        h, k, g = cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size
+        h, k, g = config.hidden_size, config.conv_kernel_size, config.conv_group_size
         self.kernel, self.groups = k, h // g
         base = torch.zeros(2, k, h)
         base[:, 0] = 1.0  # identity: tap 0 passes x_t through
@@ -51,13 +51,13 @@ class ShortConv(nn.Module):
 class CandidateSelector(nn.Module):
     """Scores adjacent pairs: S_t(a, b) = U_t(b) + ⟨pred[a] ⊙ W h_t, succ[b]⟩ over each position's top-k candidates."""
 
-    def __init__(self, cfg: DrafterConfig):
+    def __init__(self, config: DrafterConfig):
         super().__init__()
-        r = cfg.selector_rank
-        self.top_k = cfg.selector_top_k
-        self.hidden_projection = nn.Linear(cfg.hidden_size, r, bias=False)
-        self.predecessor_codebook = nn.Parameter(torch.randn(cfg.vocab_size, r) * 0.02)
-        self.successor_codebook = nn.Parameter(torch.randn(cfg.vocab_size, r) * 0.02)
+        r = config.selector_rank
+        self.top_k = config.selector_top_k
+        self.hidden_projection = nn.Linear(config.hidden_size, r, bias=False)
+        self.predecessor_codebook = nn.Parameter(torch.randn(config.vocab_size, r) * 0.02)
+        self.successor_codebook = nn.Parameter(torch.randn(config.vocab_size, r) * 0.02)
         nn.init.zeros_(self.hidden_projection.weight)  # pair term 0: starts as plain top-1 drafting
 
     def pair_scores(self, hidden: torch.Tensor, prev: torch.Tensor, cand: torch.Tensor,
@@ -138,8 +138,8 @@ def selector_loss(selector: CandidateSelector, hidden: torch.Tensor, logits: tor
 
 def upgrade_to_dflash2(drafter: nn.Module, **dflash2_fields) -> nn.Module:
     """A DFlash 2 drafter that drafts exactly like `drafter` (identity convolutions, zero pair term)."""
-    cfg = replace(drafter.config, arch="dflash2", **dflash2_fields)
-    new = type(drafter)(cfg).to(dtype=next(drafter.parameters()).dtype, device=next(drafter.parameters()).device)
+    config = replace(drafter.config, arch="dflash2", **dflash2_fields)
+    new = type(drafter)(config).to(dtype=next(drafter.parameters()).dtype, device=next(drafter.parameters()).device)
     missing, unexpected = new.load_state_dict(drafter.state_dict(), strict=False)
     assert not unexpected and all("conv" in k or "candidate_selector" in k for k in missing), (missing, unexpected)
     return new.eval()

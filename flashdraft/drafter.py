@@ -48,16 +48,16 @@ class ContextCache:
 class DrafterAttention(nn.Module):
     """Q from the block; K/V from [context ; block] with shared projections, QK-norm and RoPE."""
 
-    def __init__(self, cfg: DrafterConfig, layer_idx: int):
+    def __init__(self, config: DrafterConfig, layer_idx: int):
         super().__init__()
-        h, d = cfg.hidden_size, cfg.head_dim
-        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
-        self.q_proj = nn.Linear(h, self.n_heads * d, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(h, self.n_kv * d, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(h, self.n_kv * d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.n_heads * d, h, bias=cfg.attention_bias)
-        self.q_norm = Qwen3RMSNorm(d, eps=cfg.rms_norm_eps)
-        self.k_norm = Qwen3RMSNorm(d, eps=cfg.rms_norm_eps)
+        h, d = config.hidden_size, config.head_dim
+        self.n_heads, self.n_kv, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        self.q_proj = nn.Linear(h, self.n_heads * d, bias=config.attention_bias)
+        self.k_proj = nn.Linear(h, self.n_kv * d, bias=config.attention_bias)
+        self.v_proj = nn.Linear(h, self.n_kv * d, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * d, h, bias=config.attention_bias)
+        self.q_norm = Qwen3RMSNorm(d, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(d, eps=config.rms_norm_eps)
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         return x.view(*x.shape[:2], n, self.head_dim).transpose(1, 2)
@@ -115,14 +115,14 @@ def blockwise_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tenso
 class DrafterLayer(nn.Module):
     """Pre-norm decoder layer; the context stream enters attention un-normed, as in the reference."""
 
-    def __init__(self, cfg: DrafterConfig, layer_idx: int):
+    def __init__(self, config: DrafterConfig, layer_idx: int):
         super().__init__()
-        self.self_attn = DrafterAttention(cfg, layer_idx)
-        self.mlp = Qwen3MLP(cfg.to_qwen3())
-        self.input_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.post_attention_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        if cfg.arch == "dflash2":
-            self.attention_conv, self.mlp_conv = ShortConv(cfg), ShortConv(cfg)
+        self.self_attn = DrafterAttention(config, layer_idx)
+        self.mlp = Qwen3MLP(config.to_qwen3())
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if config.arch == "dflash2":
+            self.attention_conv, self.mlp_conv = ShortConv(config), ShortConv(config)
 
     def forward(self, x: torch.Tensor, rope: tuple, ctx: KV, mask: torch.Tensor | None,
                 block_size: int) -> torch.Tensor:
@@ -138,16 +138,16 @@ class DrafterLayer(nn.Module):
 class DFlashDrafter(nn.Module):
     """Fuses target features into a context stream and denoises a block of [anchor, M, ..., M] in one pass."""
 
-    def __init__(self, cfg: DrafterConfig):
+    def __init__(self, config: DrafterConfig):
         super().__init__()
-        self.config = cfg
-        self.layers = nn.ModuleList(DrafterLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.target_hidden_size, cfg.hidden_size, bias=False)
-        self.hidden_norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.rotary_emb = Qwen3RotaryEmbedding(cfg.to_qwen3())
+        self.config = config
+        self.layers = nn.ModuleList(DrafterLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.fc = nn.Linear(len(config.target_layer_ids) * config.target_hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config.to_qwen3())
         # DFlash 2 picks its drafts with a candidate-path selector; DFlash 1 takes each position's own choice
-        self.candidate_selector = CandidateSelector(cfg) if cfg.arch == "dflash2" else None
+        self.candidate_selector = CandidateSelector(config) if config.arch == "dflash2" else None
         # Sorted token ids the drafter may propose (None: all). Not a weight: it lives in draft_vocab.json.
         self.draft_vocab: torch.Tensor | None = None
         self._draft_head: tuple | None = None  # (key, rows of the LM head for draft_vocab, their bias)
@@ -251,12 +251,12 @@ def visible_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window:
     return visible.unsqueeze(1)
 
 
-def inference_masks(cfg: DrafterConfig, block_pos: torch.Tensor, n_ctx: int) -> dict[str, torch.Tensor | None]:
+def inference_masks(config: DrafterConfig, block_pos: torch.Tensor, n_ctx: int) -> dict[str, torch.Tensor | None]:
     """Per layer kind: None where every context position and the whole block are visible, else the bool mask."""
     k_pos = torch.cat([torch.arange(n_ctx, device=block_pos.device)[None].expand(block_pos.shape[0], -1), block_pos], 1)
     masks: dict[str, torch.Tensor | None] = {}
-    for kind in set(cfg.layer_types):
-        causal, window = layer_attention(kind, cfg.is_causal, cfg.sliding_window)
+    for kind in set(config.layer_types):
+        causal, window = layer_attention(kind, config.is_causal, config.sliding_window)
         masks[kind] = visible_keys(block_pos, k_pos, causal, window) if causal or window else None
     return masks
 
@@ -295,7 +295,7 @@ def draft_block(drafter: DFlashDrafter, cache: ContextCache, new_features: torch
     return proposal_logits(drafter, hidden, lm_head, hidden.shape[0] - 1)
 
 
-def batch_masks(cfg: DrafterConfig, block_pos: torch.Tensor, ctx_lens: list[int]) -> dict[str, torch.Tensor]:
+def batch_masks(config: DrafterConfig, block_pos: torch.Tensor, ctx_lens: list[int]) -> dict[str, torch.Tensor]:
     """Per layer kind: bool [N, 1, B, n_max + B] for rows whose contexts hold ctx_lens positions (padded to n_max)."""
     n_max, dev = max(ctx_lens), block_pos.device
     ctx_pos = torch.arange(n_max, device=dev)[None].expand(block_pos.shape[0], -1)
@@ -303,8 +303,8 @@ def batch_masks(cfg: DrafterConfig, block_pos: torch.Tensor, ctx_lens: list[int]
     real = torch.cat([ctx_pos < torch.tensor(ctx_lens, device=dev)[:, None],
                       torch.ones_like(block_pos, dtype=torch.bool)], 1)  # [N, n_max + B]: padded context slots out
     masks = {}
-    for kind in set(cfg.layer_types):
-        causal, window = layer_attention(kind, cfg.is_causal, cfg.sliding_window)
+    for kind in set(config.layer_types):
+        causal, window = layer_attention(kind, config.is_causal, config.sliding_window)
         masks[kind] = visible_keys(block_pos, k_pos, causal, window) & real[:, None, None, :]
     return masks
 

@@ -419,13 +419,13 @@ def by_source(cycles: list[Cycle]) -> str:
 
 def summary(record: dict, cycles: list[Cycle]) -> str:
     """τ, counts, settings, histogram, timing and the by-source table."""
-    cfg, timing = part(record, "config"), part(record, "timing")
+    config, timing = part(record, "config"), part(record, "timing")
     facts = [f"{len(record['output_ids'])} new tokens", f"{len(cycles)} cycles"]
     if record.get("num_prompt_tokens") is not None:
         facts.insert(0, f"{esc(str(record['num_prompt_tokens']))} prompt tokens")
     if num(timing.get("tokens_per_s")):
         facts.append(f"{timing['tokens_per_s']:.1f} tok/s")
-    settings = " · ".join(f"{esc(str(k))} {esc(str(v))}" for k, v in cfg.items() if v is not None)
+    settings = " · ".join(f"{esc(str(k))} {esc(str(v))}" for k, v in config.items() if v is not None)
     return (f'<section class="summary"><div class="tau"><div class="big">τ {tau(cycles):.2f}</div>'
             f'<div>{" · ".join(facts)}</div><div class="cfg">{settings}</div>{by_source(cycles)}</div>'
             f'<figure><figcaption>tokens per cycle (accepted + 1)</figcaption>{histogram_svg(cycles)}</figure>'

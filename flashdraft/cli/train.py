@@ -273,11 +273,11 @@ def cmd_draft_vocab(args) -> int:
 
     if args.size < 1:
         raise FlashdraftError(f"--size must be >= 1, got {args.size}")
-    cfg = load_config(Path(args.drafter))
-    ids = frequent_tokens(load_all(args.data), args.size, cfg.vocab_size)
-    if int(ids.max()) >= cfg.vocab_size:
+    drafter_config = load_config(Path(args.drafter))
+    ids = frequent_tokens(load_all(args.data), args.size, drafter_config.vocab_size)
+    if int(ids.max()) >= drafter_config.vocab_size:
         raise FlashdraftError(f"{' + '.join(args.data)} holds token ids beyond the drafter's vocabulary; "
                               "it was made for another target")
     write_text(Path(args.drafter) / DRAFT_VOCAB, draft_vocab_json(ids))
-    print(f"flashdraft: {args.drafter} now proposes from {len(ids)} of {cfg.vocab_size} tokens", file=sys.stderr)
+    print(f"flashdraft: {args.drafter} now proposes from {len(ids)} of {drafter_config.vocab_size} tokens", file=sys.stderr)
     return 0

@@ -65,10 +65,10 @@ def target_dims(target_dir: Path) -> tuple[int, int, int]:
     from transformers import AutoConfig
 
     try:
-        cfg = AutoConfig.from_pretrained(target_dir, local_files_only=True).get_text_config()
+        config = AutoConfig.from_pretrained(target_dir, local_files_only=True).get_text_config()
     except (OSError, ValueError) as e:
         raise FlashdraftError(f"{target_dir} is not a HF model directory: {str(e).splitlines()[0]}") from None
-    return cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size
+    return config.num_hidden_layers, config.hidden_size, config.vocab_size
 
 
 def local_target_dir(target: str | None) -> Path:
@@ -93,9 +93,9 @@ def export_drafter(drafter_dir: str | Path, out: str | Path, target: str | None 
 
     drafter_dir, out = Path(drafter_dir), Path(out)
     check_writable(out)
-    cfg = load_config(drafter_dir)
+    config = load_config(drafter_dir)
     target_dir = local_target_dir(target)
-    check_compatible(cfg, *target_dims(target_dir), str(drafter_dir))
+    check_compatible(config, *target_dims(target_dir), str(drafter_dir))
     return convert(drafter_dir, Path(out), outtype, target_dir)
 
 
