@@ -9,8 +9,7 @@ request's drafts are kept with a running rate α (drafts kept / drafts kept + fi
 width-w block yields E(w) = 1 + α + … + α^(w−1) tokens. The policy scans the widths, lets the rows whose expected
 gain does not pay for their drafter share decode plainly, and keeps the best Σ E / (t_v + t_d). Every EXPLORE-th
 cycle it tries the other extreme instead (plain while speculating, the widest block while not), so a wrong choice
-is measured and undone within a few cycles; while tries change nothing they come less often (every 8, 16, … 64
-cycles), so a settled choice pays little for them.
+is measured and undone within a few cycles.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 HALF_LIFE = 24  # observations: how quickly measured costs forget (contention changes are seen within ~a dozen)
-EXPLORE, MAX_EXPLORE = 8, 64  # cycles between tries of the other extreme: 8, doubling while the choice holds
+EXPLORE = 8  # every EXPLORE-th cycle tries the other extreme (plain if speculating, the widest if not)
 PRIOR_KEPT, PRIOR_TRIED = 1.0, 2.0  # α starts at 0.5 and moves with each request's own cycles
 
 
@@ -121,8 +120,7 @@ class AdaptivePolicy:
         self.widths = sorted({1, 2, 3, 4, 6, 8, 12, 16, max_width} & set(range(1, max_width + 1)))
         self.verify: dict[int, CostModel] = {}  # per batch size: a cycle's cost but drafting, by padded width
         self.draft: dict[int, CostModel] = {}  # per batch size: drafting's cost, by rows drafted
-        self.cycle, self.speculating, self.explored = 0, True, False
-        self.gap, self.next_try = EXPLORE, EXPLORE
+        self.cycle, self.speculating = 0, True
 
     def costs(self, rows: int) -> tuple[CostModel, CostModel]:
         return self.verify.setdefault(rows, CostModel()), self.draft.setdefault(rows, CostModel())
@@ -132,14 +130,9 @@ class AdaptivePolicy:
         verify, draft = self.costs(len(rows))
         if len(verify.amounts) < 2:  # a batch size met first: measure its widest cycle, then a plain one
             return [r.max_width for r in rows] if not verify.seen else [1] * len(rows)
-        if self.cycle >= self.next_try:  # the choice that matters most, speculate or not, stays measured both ways
-            self.explored = True
+        if self.cycle % EXPLORE == 0:  # the choice that matters most, speculate or not, stays measured both ways
             return [1] * len(rows) if self.speculating else [r.max_width for r in rows]
         chosen = plan(rows, self.widths, verify, draft)[1]
-        if self.explored:  # a try that changed nothing is repeated less often; one that flipped the choice, soon
-            flipped = (max(chosen) > 1) != self.speculating
-            self.gap = EXPLORE if flipped else min(2 * self.gap, MAX_EXPLORE)
-            self.next_try, self.explored = self.cycle + self.gap, False
         self.speculating = max(chosen) > 1
         return chosen
 
