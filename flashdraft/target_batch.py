@@ -88,7 +88,8 @@ class BatchCache(DynamicCache):
 
     def remove_rows(self, rows: list[int]) -> None:
         """Drop these rows; the others keep their order."""
-        keep = torch.tensor([i for i in range(self.rows) if i not in set(rows)], dtype=torch.long,
+        gone = set(rows)
+        keep = torch.tensor([i for i in range(self.rows) if i not in gone], dtype=torch.long,
                             device=self.lens.device)
         for layer in self.layers:
             if layer.is_initialized:

@@ -171,6 +171,7 @@ class BatchDecoder:
     def propose(self, rows: list[Sequence], widths: list[int]) -> tuple[list[Proposal], int]:
         """Each row's proposal for its width; rows the drafter serves share batched passes → (proposals, rows drafted)."""
         proposals: list[Proposal | None] = [None] * len(rows)
+        looks: list[Proposal | None] = [None] * len(rows)  # grafted onto trees after the drafter pass
         need: dict[int, list[int]] = {}  # drafter block size → rows
         for i, (q, w) in enumerate(zip(rows, widths)):
             st, start = q.state, q.state.position
@@ -178,7 +179,7 @@ class BatchDecoder:
             if w <= 1 or b <= 1:
                 proposals[i] = no_drafts(self.device)
                 continue
-            look = self.lookup(q, w) if q.settings.lookup else None
+            look = looks[i] = self.lookup(q, w) if q.settings.lookup else None
             if look is not None and not (q.settings.lookup == "tree" and self.trees(q)):
                 proposals[i] = look
             elif q.loop is not None:
@@ -187,8 +188,7 @@ class BatchDecoder:
                 need.setdefault(max(b, 2), []).append(i)
         for b, idx in need.items():
             for i, p in zip(idx, self.drafter_pass([rows[i] for i in idx], b, [widths[i] for i in idx])):
-                look = self.lookup(rows[i], widths[i]) if rows[i].settings.lookup == "tree" else None
-                proposals[i] = graft(p, look) if look is not None else p
+                proposals[i] = graft(p, looks[i]) if looks[i] is not None else p
         drafted = sum(len(v) for v in need.values()) + sum(q.loop is not None and widths[i] > 1
                                                             for i, q in enumerate(rows))
         return proposals, drafted

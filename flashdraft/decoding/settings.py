@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 
 from ..errors import FlashdraftError
 from ..sampling import SamplingParams
@@ -14,7 +14,6 @@ from ..sampling import SamplingParams
 # chain (README "Draft trees").
 DEFAULT_TREE = 7
 LOOKUP_MODES: dict[str, bool | str] = {"on": True, "off": False, "tree": "tree"}
-LOOKUP_NAMES = {v: k for k, v in LOOKUP_MODES.items()}
 
 
 @dataclass(frozen=True)
@@ -86,9 +85,6 @@ class DecodeSettings:
             raise TypeError(f"unknown decode settings {bad}; known: {sorted(names)}")
         return replace(self, **changes)
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
     def record(self, trees: bool) -> dict:
         """The `config` of a generation's record (docs/design.md §7), for resolved settings; trees: whether draft
         trees actually ran (greedy, a cache that can compact a path)."""
@@ -97,7 +93,6 @@ class DecodeSettings:
                 "lookup": self.lookup if self.block_size > 1 else False, "tree": self.tree if trees else 0}
 
 
-SETTING_NAMES = tuple(f.name for f in fields(DecodeSettings))
 DEFAULTS = DecodeSettings()
 
 
@@ -136,7 +131,6 @@ def parse_lookup(text: str) -> list[bool | str]:
     return [LOOKUP_MODES[v] for v in dict.fromkeys(values)]
 
 
-SWEPT = ("block_size", "lookup", "tree", "loop_stages", "loop_gate")  # what `bench` may sweep over
 
 
 def add_decode_arguments(p: argparse.ArgumentParser, *, sweep: bool = False, per_request: bool = True) -> None:
@@ -204,11 +198,6 @@ def lookup_flag(args) -> str | None:
         if on:
             return flag
     return None
-
-
-def lookup_given(args) -> bool:
-    """Whether any lookup flag was passed (engines that cannot look up refuse it)."""
-    return lookup_flag(args) is not None
 
 
 def settings_from_args(args) -> DecodeSettings:
