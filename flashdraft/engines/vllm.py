@@ -1,0 +1,276 @@
+"""vLLM's own DFlash (or plain decoding) in this process: the target's HF directory and a z-lab format drafter run by
+vLLM's offline engine (`vllm.LLM`, speculative method `dflash`). vLLM drafts the drafter's chain every cycle: no
+DLoop, prompt lookup or trees; it batches, so `generate_many` decodes several prompts together.
+
+What vLLM cannot do on the machine at hand is found out, not assumed: its own refusals (DFlash 2 candidate heads on
+the V1 model runner, which is the only one without Triton, i.e. on its CPU build) become one-line errors, and sampled
+speculative decoding must pass a self-check first (`sampling_defect`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ..decoding.settings import DecodeSettings
+from ..errors import FlashdraftError
+
+# The engine core in this process (no spawned process to import our __main__), its logs at warnings; a CPU build's
+# KV cache sized for one small model (vLLM reserves it up front). Each only where the user has not set it.
+ENV_DEFAULTS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_CPU_KVCACHE_SPACE": "2"}
+# An upstream defect of vLLM's CPU build (vllm-project/vllm#55005): its `expand_kernel` shim fills an int64 copy of
+# the per-token temperature / top-k / top-p buffers and never copies it back, so sampled speculative decoding reads
+# uninitialised memory (garbage text, or an index error).
+CPU_SAMPLING_DEFECT = "vllm-project/vllm#55005: the CPU expand_kernel shim leaves sampling parameters uninitialised"
+
+
+def require_vllm():
+    """The vllm module, or the one-line error that says how to install it."""
+    for key, value in ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    try:
+        import vllm
+    except ImportError as e:
+        raise FlashdraftError(f"vLLM is not installed ({e}): run `make vllm` (its CPU build here, `vllm` on a GPU "
+                              "machine)") from None
+    return vllm
+
+
+def is_cpu_build() -> bool:
+    """Whether vLLM runs on its CPU platform here."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def speculative_config(drafter: str | Path, num_speculative_tokens: int) -> dict:
+    """vLLM's `--speculative-config` for a z-lab format DFlash drafter (its block size is not read by vLLM: K is
+    explicit, drafts after the anchor, so at most block_size - 1)."""
+    return {"method": "dflash", "model": str(Path(drafter).resolve()), "num_speculative_tokens": num_speculative_tokens}
+
+
+def check_drafts(drafter: str | Path, block_size: int) -> int:
+    """K = block_size - 1 for vLLM, checked against the drafter's trained block (vLLM would not)."""
+    from ..config import load_config
+
+    trained = load_config(drafter).block_size
+    if not 2 <= block_size <= trained:
+        raise FlashdraftError(f"--block-size {block_size}: vLLM drafts block_size - 1 tokens after the anchor, from 2 "
+                              f"up to the drafter's trained block size {trained}")
+    return block_size - 1
+
+
+def open_llm(model_dir: str, drafter: str | Path | None, k: int, dtype: str, max_model_len: int, seed: int):
+    """A vLLM engine for model_dir (with a DFlash drafter drafting k tokens unless drafter is None); vLLM's refusals
+    (what it cannot run here) as one line."""
+    vllm = require_vllm()
+    kw = dict(model=model_dir, dtype=dtype, enforce_eager=True, max_model_len=max_model_len, seed=seed,
+              disable_log_stats=False)
+    if drafter is not None:
+        kw |= dict(speculative_config=speculative_config(drafter, k), per_request_spec_decode_metrics="detailed")
+    try:
+        return vllm.LLM(**kw)
+    except (ValueError, NotImplementedError, RuntimeError) as e:
+        refused = re.search(r"[^,:\]]*does not support:[^\[]*", " ".join(str(e).split()))
+        if refused:
+            raise FlashdraftError(f"vLLM {vllm.__version__} cannot run this here: {refused.group(0).strip()} (use a "
+                                  "DFlash 1 drafter, a GPU build of vLLM, or --engine torch)") from None
+        raise
+
+
+@dataclass
+class VllmTiming:
+    """From vLLM's per-request stats: time to the first token and the decode rate after it."""
+
+    prefill_s: float
+    total_s: float
+    tokens_per_s: float
+
+
+@dataclass
+class VllmResult:
+    """One vLLM generation, shaped like decode.GenerationResult where the engines agree."""
+
+    output_ids: list[int]
+    num_prompt_tokens: int
+    ttft_s: float  # arrival → first token
+    decode_s: float  # first → last token
+    config: dict
+    acceptance_lengths: list[int] = field(default_factory=list)  # per verify step: drafts accepted + 1 (DFlash only)
+    text: str = ""
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def timing(self) -> VllmTiming:
+        n = max(len(self.output_ids) - 1, 0)
+        return VllmTiming(self.ttft_s, self.ttft_s + self.decode_s, n / self.decode_s if self.decode_s > 0 else 0.0)
+
+    def to_record(self) -> dict:
+        return {"output_ids": self.output_ids, "text": self.text, "num_prompt_tokens": self.num_prompt_tokens,
+                "num_new_tokens": self.num_new_tokens, "acceptance_lengths": self.acceptance_lengths,
+                "timing": asdict(self.timing), "config": self.config}
+
+
+def sampling_params(settings: DecodeSettings, stop_ids: list[int]):
+    """vLLM's SamplingParams for flashdraft's settings: greedy at temperature 0, else the same processing and seed."""
+    from vllm import SamplingParams
+
+    s = settings
+    common = dict(max_tokens=s.max_new_tokens, stop_token_ids=stop_ids, ignore_eos=not stop_ids, detokenize=False)
+    if s.greedy:
+        return SamplingParams(temperature=0.0, **common)
+    return SamplingParams(temperature=s.temperature, top_k=s.top_k or -1, top_p=s.top_p, seed=s.seed, **common)
+
+
+def result_of(out, config: dict) -> VllmResult:
+    """A VllmResult from one vLLM RequestOutput (times from its own stats; acceptance from its spec counters)."""
+    c, m = out.outputs[0], out.metrics
+    ttft = max(m.first_token_latency, 0.0) if m is not None else 0.0
+    decode = max(m.last_token_ts - m.first_token_ts, 0.0) if m is not None else 0.0
+    spec = getattr(c, "spec_decode_metrics", None)
+    acc = [a + 1 for a in spec.per_step_accepted] if spec is not None else []
+    return VllmResult(list(c.token_ids), len(out.prompt_token_ids), ttft, decode, config, acc)
+
+
+def sampling_defect(llm, target, seed: int = 0, tokens: int = 24, top_k: int = 4) -> str | None:
+    """Why sampled speculative decoding is broken in this vLLM, or None: sample `tokens` at temperature 1 with
+    top-k and check every token is among the target's own top-k at its position (flashdraft's torch target scores
+    them). A correct sampler cannot fail this; the CPU build's defect fails at once (or raises)."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    ids = target.encode("Name three colours and one animal.")
+    params = SamplingParams(temperature=1.0, top_k=top_k, seed=seed, max_tokens=tokens, ignore_eos=True,
+                            detokenize=False)
+    try:
+        out = list(llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0].outputs[0].token_ids)
+    except Exception as e:  # a sampler reading garbage parameters may index out of range
+        return f"sampling raised {type(e).__name__}: {' '.join(str(e).split())[:120]}"
+    with torch.inference_mode():
+        logits = target.model(torch.tensor([ids + out], device=target.model.device)).logits[0, len(ids) - 1:-1]
+    allowed = logits.float().topk(top_k + 1, -1).values[:, -2:-1]  # the k-th value (+1 guards an exact tie)
+    chosen = logits.float().gather(-1, torch.tensor(out, device=logits.device)[:, None])
+    bad = int((chosen < allowed).sum())
+    return f"{bad} of {len(out)} sampled tokens fall outside the target's top-{top_k}" if bad else None
+
+
+class VllmEngine:
+    """vLLM's offline engine for a target and, unless plain, a DFlash drafter; started at the first request."""
+
+    name = "vllm"
+    interleaves = False  # one vLLM engine at a time: a comparison runs all of one engine's runs, then the other's
+    plain_name = "vllm plain"
+
+    def __init__(self, target, model_dir: str, drafter: Path | None, k: int, dtype: str):
+        self.target, self.model_dir, self.drafter, self.k, self.dtype = target, model_dir, drafter, k, dtype
+        self.llm, self.sampling_checked = None, False
+
+    @classmethod
+    def check(cls, settings: DecodeSettings, lookup_flag: str | None = None) -> None:
+        """One-line errors for what only the torch engine does."""
+        settings.validate()
+        if settings.loop_stages != 1:
+            raise FlashdraftError("--loop-stages (DLoop) runs on the torch engine only; drop it or use --engine torch")
+        if lookup_flag:
+            raise FlashdraftError(f"{lookup_flag} is for --engine torch (vLLM drafts every cycle); drop it")
+        if settings.tree is not None:
+            raise FlashdraftError("--tree is for --engine torch (vLLM's DFlash verifies a chain); drop it")
+
+    @classmethod
+    def open(cls, target, drafter: str | Path | None = None, settings: DecodeSettings | None = None, *,
+             plain: bool = False) -> VllmEngine:
+        """target: a loaded flashdraft Target (its directory is what vLLM loads); drafter: a DFlash directory (None:
+        the registered one), run at settings.block_size (default the drafter's trained block)."""
+        from ..models import registered_drafter, resolve_target
+
+        require_vllm()
+        dtype = str(next(target.model.parameters()).dtype).removeprefix("torch.")
+        model_dir = resolve_target(target.name)
+        src = None if plain else drafter or registered_drafter(target.name)
+        if not plain and src is None:
+            raise FlashdraftError(f"no drafter registered for {target.name}: pass --drafter DIR")
+        block = (settings.block_size if settings and settings.block_size else None)
+        if src is not None:
+            from ..config import load_config
+
+            k = check_drafts(src, block or load_config(src).block_size)
+            return cls(target, model_dir, Path(src), k, dtype)
+        return cls(target, model_dir, None, 0, dtype)
+
+    @property
+    def block_size(self) -> int:
+        return self.k + 1
+
+    def started(self):
+        """The vLLM engine, started now if it has not been."""
+        if self.llm is None:
+            from ..target import context_limit
+
+            self.llm = open_llm(self.model_dir, self.drafter, self.k, self.dtype, context_limit(self.target.model), 0)
+        return self.llm
+
+    def check_sampling(self, settings: DecodeSettings) -> None:
+        """Refuse sampled speculative decoding where vLLM's sampler fails its self-check (once per engine)."""
+        if settings.greedy or self.drafter is None or self.sampling_checked:
+            return
+        why = sampling_defect(self.started(), self.target)
+        if why:
+            known = f" (on its CPU build: {CPU_SAMPLING_DEFECT})" if is_cpu_build() else ""
+            raise FlashdraftError(f"vLLM's speculative sampling fails its self-check here: {why}{known}; use "
+                                  "--temperature 0, --engine torch, or a vLLM build with the fix")
+        self.sampling_checked = True
+
+    def generate_many(self, prompts: list[list[int]], settings: DecodeSettings) -> list[VllmResult]:
+        """All prompts decoded together (vLLM's continuous batching); results in prompt order."""
+        from vllm.inputs import TokensPrompt
+
+        self.check_sampling(settings)
+        stops = list(settings.stop_token_ids if settings.stop_token_ids is not None else self.target.stop_token_ids())
+        outs = self.started().generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts],
+                                       sampling_params(settings, stops), use_tqdm=False)
+        config = {"engine": "vllm", "block_size": self.block_size, "batch": len(prompts),
+                  **({"drafter": str(self.drafter)} if self.drafter else {})}
+        results = [result_of(o, config) for o in outs]
+        for r in results:
+            r.text = self.target.decode(r.output_ids)
+        return results
+
+    def generate(self, prompt_ids: list[int], settings: DecodeSettings,
+                 on_tokens: Callable[[list[int]], None] | None = None) -> VllmResult:
+        """One generation (vLLM answers in one piece)."""
+        result = self.generate_many([prompt_ids], settings)[0]
+        if on_tokens and result.output_ids:
+            on_tokens(result.output_ids)
+        return result
+
+    def describe(self, result: VllmResult) -> str:
+        """The summary line's account of a generation."""
+        acc = result.acceptance_lengths
+        tau = sum(acc) / len(acc) if acc else 1.0
+        return (f"τ {tau:.2f} over {len(acc)} cycles, {result.timing.tokens_per_s:.1f} tok/s "
+                f"(vLLM, block {self.block_size}, {self.dtype})")
+
+    def close(self) -> None:
+        """Stop vLLM's engine and free its KV cache."""
+        if self.llm is not None:
+            engine = self.llm.llm_engine
+            self.llm = None
+            shutdown = getattr(engine, "shutdown", None) or getattr(engine.engine_core, "shutdown", None)
+            if shutdown:
+                shutdown()
+            import gc
+
+            gc.collect()
+
+    def __enter__(self) -> VllmEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
