@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 ENGINES = {
     "torch": "flashdraft.engines.torch:TorchEngine",
     "llamacpp": "flashdraft.engines.llamacpp:LlamaCppEngine",
+    "vllm": "flashdraft.engines.vllm:VllmEngine",
 }
 
 
