@@ -1,8 +1,9 @@
 """Bench methods: each is one small function (target, prompt ids, MethodSettings) → Sample, registered in METHODS.
 
-ar and dflash run on the torch engine, llamacpp and llamacpp-dflash on the llama.cpp engine; hf and hf-lookup are
-transformers' own `generate`. Each method has a plain baseline on the same engine (ar, or llamacpp on the same target
-file) that its speedup and its token-identity check refer to.
+ar and dflash run on the torch engine, llamacpp and llamacpp-dflash on the llama.cpp engine, vllm and vllm-dflash on
+vLLM (batched: BATCH_METHODS take several prompts at once); hf and hf-lookup are transformers' own `generate`. Each
+method has a plain baseline on the same engine (ar, llamacpp on the same target file, vllm at the same batch size) that
+its speedup and its token-identity check refer to.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ class MethodSettings:
     decode: DecodeSettings
     drafter: object | None = None  # a loaded drafter module (dflash)
     lookup_tokens: int = 10  # prompt_lookup_num_tokens (hf-lookup)
-    engine: object | None = None  # an open llama.cpp engine (llamacpp, llamacpp-dflash)
+    engine: object | None = None  # an open llama.cpp or vLLM engine (llamacpp*, vllm*)
+    batch: int = 1  # prompts decoded together (vllm methods)
 
     def shortened(self, max_new_tokens: int) -> MethodSettings:
         """The same settings generating at most max_new_tokens (warm-ups)."""
@@ -144,10 +146,32 @@ def run_llamacpp(target, ids: list[int], s: MethodSettings) -> Sample:
     return Sample(r.output_ids, ttft, ttft + gen, 1, r.acceptance_lengths, draft, max(0.0, gen - draft), 0.0)
 
 
+# ---------------------------------------------------------------- vLLM engine
+
+def run_vllm_batch(target, prompts: list[list[int]], s: MethodSettings) -> list[Sample]:
+    """vLLM's offline engine, plain or with its DFlash, on prompts decoded together. Times are vLLM's own per-request
+    stats; the batch's decode window (first token of any to last token of any) is shared out by decode tokens, so
+    pooled decode tok/s is the batch's output throughput (at batch 1: the request's own rate)."""
+    rs = s.engine.generate_many(prompts, s.decode)
+    window = max(r.last_ts for r in rs) - min(r.first_ts for r in rs)
+    dec = [max(r.num_new_tokens - 1, 0) for r in rs]
+    return [Sample(r.output_ids, r.ttft_s, r.ttft_s + window * d / max(sum(dec), 1), min(r.num_new_tokens, 1),
+                   r.acceptance_lengths) for r, d in zip(rs, dec)]
+
+
+def run_vllm(target, ids: list[int], s: MethodSettings) -> Sample:
+    """One prompt on vLLM (warm-ups; the bench runs vllm methods in batches through run_vllm_batch)."""
+    return run_vllm_batch(target, [ids], s)[0]
+
+
 METHODS: dict[str, Method] = {"ar": run_ar, "hf": run_hf, "hf-lookup": run_hf_lookup, "dflash": run_dflash,
-                              "llamacpp": run_llamacpp, "llamacpp-dflash": run_llamacpp}
-DRAFTER_METHODS = {"dflash", "llamacpp-dflash"}  # swept over --drafter × --block-size (× DLoop for dflash)
+                              "llamacpp": run_llamacpp, "llamacpp-dflash": run_llamacpp,
+                              "vllm": run_vllm, "vllm-dflash": run_vllm}
+BATCH_METHODS = {"vllm": run_vllm_batch, "vllm-dflash": run_vllm_batch}  # run a variant at a time, batch by batch
+DRAFTER_METHODS = {"dflash", "llamacpp-dflash", "vllm-dflash"}  # swept over --drafter × --block-size (× DLoop: dflash)
 LLAMACPP_METHODS = {"llamacpp", "llamacpp-dflash"}  # swept over --gguf
+VLLM_METHODS = {"vllm", "vllm-dflash"}  # swept over --batch
+PLAIN_OF = {"llamacpp-dflash": "llamacpp", "vllm-dflash": "vllm"}  # a drafter method's plain baseline, always run
 
 
 def parse_methods(text: str, reference: bool = True) -> list[str]:
@@ -159,6 +183,7 @@ def parse_methods(text: str, reference: bool = True) -> list[str]:
     methods = [m for m in dict.fromkeys(methods) if m != "ar"]
     if not reference and not methods:
         raise FlashdraftError("--no-ar leaves no method to run; add one to --methods")
-    if reference and "llamacpp-dflash" in methods and "llamacpp" not in methods:  # its baseline
-        methods.insert(methods.index("llamacpp-dflash"), "llamacpp")
+    for m, plain in PLAIN_OF.items():
+        if reference and m in methods and plain not in methods:  # its baseline
+            methods.insert(methods.index(m), plain)
     return (["ar"] if reference else []) + methods

@@ -82,11 +82,12 @@ def environment() -> dict:
 
 
 def baseline(label: str, desc: dict | None) -> str | None:
-    """The plain decoding a method is measured and checked against: ar, or llamacpp on the same target file."""
+    """The plain decoding a method is measured and checked against: ar, llamacpp on the same target file, or vllm at
+    the same batch size."""
     desc = desc or {}
     if "baseline" in desc:
         return desc["baseline"]
-    return None if label == "ar" or desc.get("method") in ("ar", "llamacpp") else "ar"
+    return None if label == "ar" or desc.get("method") in ("ar", "llamacpp", "vllm") else "ar"
 
 
 def summarize(records: list[dict], labels: list[str], config: dict, datasets: dict, stopped: str | None,

@@ -12,7 +12,7 @@ from pathlib import Path
 from ..atomic import write_text
 from ..errors import FlashdraftError
 from .datasets import Prompt, encode_turn
-from .methods import METHODS, Sample
+from .methods import BATCH_METHODS, METHODS, Sample
 from .variants import Variant
 
 limit_clock = time.monotonic  # what --limit-time is measured with (a seam for tests)
@@ -94,6 +94,22 @@ def run_sample(target, v: Variant, p: Prompt, chat: bool) -> list[dict]:
     return turns
 
 
+def run_batch(target, v: Variant, ps: list[Prompt], chat: bool) -> list[list[dict]]:
+    """All turns of prompts decoded together by a batched method: turn k of every prompt that has one in one batch,
+    each fed its own previous answers."""
+    turns: list[list[dict]] = [[] for _ in ps]
+    answers: list[list[str]] = [[] for _ in ps]
+    prev: list = [(None, None) for _ in ps]
+    for k in range(max(len(p.turns) for p in ps)):
+        live = [i for i, p in enumerate(ps) if k < len(p.turns)]
+        ids = [encode_turn(target, ps[i].turns, answers[i], *prev[i], chat) for i in live]
+        for i, x, s in zip(live, ids, BATCH_METHODS[v.method](target, ids, v.settings)):
+            turns[i].append(turn_record(target, s, len(x)))
+            answers[i].append(turns[i][-1]["text"])
+            prev[i] = (x, s.output_ids)
+    return turns
+
+
 def warm_up(target, variants: list[Variant], p: Prompt, chat: bool) -> None:
     """One short untimed generation per method so none pays first-call costs in the measurement."""
     ids = target.encode(p.turns[0], chat=chat)
@@ -110,35 +126,87 @@ def progress():
                     TimeRemainingColumn(), console=Console(stderr=True), transient=False)
 
 
+class Runner:
+    """The progress bar, the time limit and the records file of one bench run."""
+
+    def __init__(self, path: Path, total: int, limit_time: float | None):
+        self.path, self.total, self.limit_time, self.n = path, total, limit_time, 0
+        self.t_start, self.bar = limit_clock(), progress()
+        self.plain = not self.bar.console.is_terminal
+        self.task = self.bar.add_task("bench", total=total)
+
+    def over_time(self) -> str | None:
+        """Why no new run may start (the time limit), or None."""
+        if self.limit_time is not None and limit_clock() - self.t_start >= self.limit_time:
+            return f"time limit of {self.limit_time:g}s reached after {self.n} of {self.total} runs"
+        return None
+
+    def label(self, text: str) -> None:
+        from rich.markup import escape
+
+        self.bar.update(self.task, description=escape(text))
+
+    def record(self, ds: str, p: Prompt, v: Variant, turns: list[dict]) -> None:
+        """Append one finished sample and advance."""
+        append_record(self.path, {"dataset": ds, "id": p.id, "method": v.label, "turns": turns})
+        self.n += 1
+        self.bar.advance(self.task)
+        if self.plain:
+            toks = sum(t["new_tokens"] for t in turns)
+            dec = sum(t["decode_s"] for t in turns)
+            print(f"[{self.n}/{self.total}] {ds} {p.id} {v.label}: {toks} tokens, "
+                  f"{sum(t['new_tokens'] - t['first_tokens'] for t in turns) / max(dec, 1e-9):.1f} tok/s",
+                  file=sys.stderr, flush=True)
+
+
+def run_solo(target, todo: list[tuple[str, Prompt, Variant]], run: Runner, chat: bool) -> str | None:
+    """Every (dataset, prompt, method) in order, one sample at a time, after one warm-up per method."""
+    if todo:
+        warm_up(target, list({v.label: v for _, _, v in todo}.values()), todo[0][1], chat)
+    for ds, p, v in todo:
+        if stopped := run.over_time():
+            return stopped
+        run.label(f"{ds} · {v.label} · {p.id}")
+        run.record(ds, p, v, run_sample(target, v, p, chat))
+    return None
+
+
+def run_batched(target, v: Variant, pending: dict[str, list[Prompt]], run: Runner, chat: bool) -> str | None:
+    """A batched method's pending prompts, v.settings.batch at a time per dataset, after its own warm-up; its engine
+    is closed afterwards (one at a time: a vLLM engine holds its threads and KV cache)."""
+    first = next((ps[0] for ps in pending.values() if ps), None)
+    try:
+        if first is not None:
+            warm_up(target, [v], first, chat)
+        for ds, ps in pending.items():
+            for i in range(0, len(ps), v.settings.batch):
+                if stopped := run.over_time():
+                    return stopped
+                chunk = ps[i: i + v.settings.batch]
+                run.label(f"{ds} · {v.label} · {chunk[0].id}…")
+                for p, turns in zip(chunk, run_batch(target, v, chunk, chat)):
+                    run.record(ds, p, v, turns)
+    finally:
+        if v.settings.engine is not None:
+            v.settings.engine.close()
+    return None
+
+
 def run_bench(target, datasets: dict[str, list[Prompt]], variants: list[Variant], out: Path, chat: bool,
               limit_time: float | None) -> str | None:
     """Run every (dataset, prompt, method) not yet in samples.jsonl; returns why it stopped early, or None."""
-    from rich.markup import escape
-
     path = out / "samples.jsonl"
     done = {(r["dataset"], r["id"], r["method"]) for r in load_records(path)}
-    todo = [(ds, p, v) for ds, ps in datasets.items() for p in ps for v in variants if (ds, p.id, v.label) not in done]
-    if not todo:
+    todo = [(ds, p, v) for ds, ps in datasets.items() for p in ps for v in variants
+            if v.method not in BATCH_METHODS and (ds, p.id, v.label) not in done]
+    batched = [(v, {ds: [p for p in ps if (ds, p.id, v.label) not in done] for ds, ps in datasets.items()})
+               for v in variants if v.method in BATCH_METHODS]
+    total = len(todo) + sum(len(ps) for _, pending in batched for ps in pending.values())
+    if not total:
         return None
-    t_start = limit_clock()
-    warm_up(target, variants, todo[0][1], chat)
-    bar = progress()
-    plain = not bar.console.is_terminal
-    stopped = None
-    with bar:
-        task = bar.add_task("bench", total=len(todo))
-        for n, (ds, p, v) in enumerate(todo, 1):
-            if limit_time is not None and limit_clock() - t_start >= limit_time:
-                stopped = f"time limit of {limit_time:g}s reached after {n - 1} of {len(todo)} runs"
-                break
-            bar.update(task, description=escape(f"{ds} · {v.label} · {p.id}"))
-            turns = run_sample(target, v, p, chat)
-            append_record(path, {"dataset": ds, "id": p.id, "method": v.label, "turns": turns})
-            bar.advance(task)
-            if plain:
-                toks = sum(t["new_tokens"] for t in turns)
-                dec = sum(t["decode_s"] for t in turns)
-                print(f"[{n}/{len(todo)}] {ds} {p.id} {v.label}: {toks} tokens, "
-                      f"{sum(t['new_tokens'] - t['first_tokens'] for t in turns) / max(dec, 1e-9):.1f} tok/s",
-                      file=sys.stderr, flush=True)
+    run = Runner(path, total, limit_time)
+    with run.bar:
+        stopped = run_solo(target, todo, run, chat)
+        for v, pending in batched:
+            stopped = stopped or run_batched(target, v, pending, run, chat)
     return stopped

@@ -1,5 +1,6 @@
-"""Bench variants: each method once, drafter methods per (drafter, block size, DLoop setting, lookup, tree) and
-llama.cpp methods per target file, each with a stable label and a description recorded in run.json."""
+"""Bench variants: each method once, drafter methods per (drafter, block size, DLoop setting, lookup, tree), llama.cpp
+methods per target file and vLLM methods per batch size, each with a stable label and a description recorded in
+run.json."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from ..engines import get_engine
 from ..errors import FlashdraftError
 from ..engines.llamacpp import server_context
 from ..llamacpp.gguf import Gguf
-from .methods import DRAFTER_METHODS, LLAMACPP_METHODS, MethodSettings
+from .methods import DRAFTER_METHODS, LLAMACPP_METHODS, VLLM_METHODS, MethodSettings
 
 LOOKUP_LABELS = {True: "lookup", False: "no-lookup", "tree": "lookup-tree"}
 
@@ -35,6 +36,7 @@ class Sweep:
     trees: list[int | None] = field(default_factory=lambda: [None])  # None: the default for the loop setting
     ggufs: list[Gguf] = field(default_factory=list)  # target files of the llama.cpp methods
     threads: int | None = None  # llama.cpp threads (default all cores)
+    batches: list[int] = field(default_factory=lambda: [1])  # prompts the vllm methods decode together
 
 
 def loop_settings(stages: list[int], gates: list[float]) -> list[tuple[int, float]]:
@@ -45,7 +47,7 @@ def loop_settings(stages: list[int], gates: list[float]) -> list[tuple[int, floa
 
 def variant_label(m: str, kind: str, parts: list[str]) -> str:
     """`dflash2[name,b8,s2,g-0.75]`, `llamacpp-dflash2[f32,name,b8]`: drafter methods are labelled by drafter kind."""
-    head = {"dflash": kind, "llamacpp-dflash": f"llamacpp-{kind}"}.get(m, m)
+    head = {"dflash": kind, "llamacpp-dflash": f"llamacpp-{kind}", "vllm-dflash": f"vllm-{kind}"}.get(m, m)
     return f"{head}[{','.join(parts)}]" if parts else head
 
 
@@ -70,6 +72,22 @@ def torch_variants(m: str, kind: str, parts: list[str], desc: dict, base: Method
     return out
 
 
+def vllm_variants(target, m: str, drafter: str | None, base: MethodSettings, sweep: Sweep, kind: str,
+                  parts: list[str], desc: dict, engines: list) -> list[Variant]:
+    """One vLLM Variant per batch size (plain when drafter is None and m is vllm); engines start at their first
+    request and are appended to `engines`."""
+    out = []
+    for b in sweep.batches:
+        bs = [f"bs{b}"] if len(sweep.batches) > 1 or b != 1 else []
+        engine = get_engine("vllm").open(target, drafter, base.decode, plain=m == "vllm")
+        engines.append(engine)
+        vdesc = {**desc, "method": m, "batch": b}
+        if m != "vllm":
+            vdesc["baseline"] = variant_label("vllm", "", bs)
+        out.append(Variant(variant_label(m, kind, parts + bs), m, replace(base, engine=engine, batch=b), vdesc))
+    return out
+
+
 def drafter_variants(target, m: str, base: MethodSettings, sweep: Sweep, gguf: Gguf | None,
                      engines: list) -> list[Variant]:
     """One Variant per (drafter, block size, loop setting, lookup, tree) of a drafter method; on llama.cpp per target
@@ -89,6 +107,9 @@ def drafter_variants(target, m: str, base: MethodSettings, sweep: Sweep, gguf: G
             desc = {"method": m, "drafter": str(Path(d).resolve()) if d else name, "kind": kind, "block_size": b}
             parts = [] if len(sweep.drafters) == 1 and len(sweep.block_sizes) <= 1 else [name, f"b{b}"]
             decode = base.decode.updated(block_size=b)
+            if m in VLLM_METHODS:
+                out += vllm_variants(target, m, d, replace(base, decode=decode), sweep, kind, parts, desc, engines)
+                continue
             if gguf is None:
                 out += torch_variants(m, kind, parts, desc, replace(base, decode=decode, drafter=drafter), sweep)
                 continue
@@ -112,6 +133,8 @@ def build_variants(target, methods: list[str], base: MethodSettings, sweep: Swee
         for g in list(sweep.ggufs) if m in LLAMACPP_METHODS else [None]:
             if m in DRAFTER_METHODS:
                 out += drafter_variants(target, m, base, sweep, g, engines)
+            elif m in VLLM_METHODS:
+                out += vllm_variants(target, m, None, base, sweep, "", [], {}, engines)
             elif g is not None:
                 engine = get_engine("llamacpp").open(target, plain=True, gguf=g, threads=sweep.threads,
                                                      ctx=server_context(target))

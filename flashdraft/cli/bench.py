@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..bench.datasets import HUB_DATASETS, Prompt, load_dataset, parse_dataset
-from ..bench.methods import ALL_METHODS, LLAMACPP_METHODS, METHODS, MethodSettings, parse_methods
+from ..bench.methods import ALL_METHODS, LLAMACPP_METHODS, METHODS, VLLM_METHODS, MethodSettings, parse_methods
 from ..bench.variants import Sweep, Variant, loop_settings
 from ..decoding.settings import DecodeSettings, add_decode_arguments, parse_ids, parse_list, parse_lookup
 from ..errors import FlashdraftError
@@ -23,7 +23,11 @@ def add_bench(sub) -> None:
                         "(repeatable)")
     p.add_argument("--methods", default=ALL_METHODS,
                    help=f"comma-separated, from {', '.join(METHODS)} (default {ALL_METHODS}; ar is always run as the "
-                        "reference, and llamacpp with llamacpp-dflash; the llamacpp methods need `make llamacpp`)")
+                        "reference, llamacpp with llamacpp-dflash and vllm with vllm-dflash; the llamacpp methods need "
+                        "`make llamacpp`, the vllm methods `make vllm`)")
+    p.add_argument("--batch", default="1",
+                   help="vllm methods: prompts decoded together, a comma-separated sweep (e.g. 1,4,8; default 1); "
+                        "tok/s is then the batch's output throughput")
     p.add_argument("--gguf", action="append",
                    help="target file for the llamacpp methods (repeatable): f32, f16, bf16 or q8_0 (the target "
                         "exported once with llama.cpp's converter, cached), packaged (the registered target's own "
@@ -68,6 +72,9 @@ def check_bench_args(args) -> None:
         raise FlashdraftError(f"--limit-time must be > 0 seconds, got {args.limit_time}")
     if args.threads is not None and args.threads < 1:
         raise FlashdraftError(f"--threads must be >= 1, got {args.threads}")
+    for b in parse_list(args.batch, "--batch", int):
+        if b < 1:
+            raise FlashdraftError(f"--batch takes prompt counts >= 1, got {b}")
     if args.profile_tokens < 2:
         raise FlashdraftError(f"--profile-tokens must be >= 2, got {args.profile_tokens}")
     if args.lookup_tokens < 1:
@@ -106,7 +113,7 @@ def sweep_from_args(args) -> Sweep:
     lookups = parse_lookup(args.lookup)
     return Sweep(drafters=args.drafter or [None], block_sizes=args.block_size or [],
                  loops=loop_settings(stages, gates), lookups=lookups, trees=parse_trees(args.tree, stages),
-                 threads=args.threads)
+                 threads=args.threads, batches=list(dict.fromkeys(parse_list(args.batch, "--batch", int))))
 
 
 def load_datasets(args) -> dict[str, list[Prompt]]:
@@ -121,7 +128,7 @@ def stop_ids(args, target) -> list[int]:
         else target.stop_token_ids()
 
 
-def run_config(args, target, device: str, uses_llamacpp: bool) -> dict:
+def run_config(args, target, device: str, uses_llamacpp: bool, uses_vllm: bool = False) -> dict:
     """The settings a results directory is tied to (resuming with others is refused)."""
     from ..llamacpp.build import LLAMACPP_VERSION
     from ..packed import is_packed
@@ -134,6 +141,10 @@ def run_config(args, target, device: str, uses_llamacpp: bool) -> dict:
         config["stop_token_ids"] = stop_ids(args, target)
     if uses_llamacpp:
         config["llamacpp"] = LLAMACPP_VERSION
+    if uses_vllm:
+        from ..engines.vllm import require_vllm
+
+        config["vllm"] = require_vllm().__version__
     return config
 
 
@@ -215,9 +226,16 @@ def cmd_bench(args) -> int:
     if uses_llamacpp:
         tool("llama-server")  # fail before any work when llama.cpp is not built
         sweep.ggufs = resolve_ggufs(args.gguf, target.name)
+    uses_vllm = bool(VLLM_METHODS & set(methods))
+    if args.batch != "1" and not uses_vllm:
+        raise FlashdraftError("--batch is for the vllm methods; add vllm or vllm-dflash to --methods")
+    if uses_vllm:
+        from ..engines.vllm import require_vllm
+
+        require_vllm()  # fail before any work when vLLM is missing
     engines: list = []
     variants = build_variants(target, methods, MethodSettings(decode, lookup_tokens=args.lookup_tokens), sweep, engines)
-    config = run_config(args, target, device, uses_llamacpp)
+    config = run_config(args, target, device, uses_llamacpp, uses_vllm)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     check_run(out, config, {v.label: v.desc for v in variants})

@@ -12,7 +12,13 @@ def add_serve(sub) -> None:
     p.add_argument("--target", help="registered name, local HF model dir or hub id (default: smollm2-135m-instruct)")
     p.add_argument("--drafter", help="drafter directory (z-lab format); default: the one registered for the target")
     # free text, not argparse choices: cmd_serve names the engines it serves in its one-line error
-    p.add_argument("--engine", default="torch", help="decoding engine (only 'torch', the default, serves today)")
+    p.add_argument("--engine", default="torch",
+                   help="torch (default): flashdraft's own server; vllm: vLLM's OpenAI server (`make vllm`) with the "
+                        "drafter as its DFlash speculator, num_speculative_tokens from --block-size or derived")
+    p.add_argument("--vllm-args", help="--engine vllm: more `vllm serve` arguments, passed as given (e.g. "
+                                       "\"--tensor-parallel-size 2\")")
+    p.add_argument("--print-command", action="store_true",
+                   help="--engine vllm: print the `vllm serve` command line and exit (nothing is started)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback; there is no authentication)")
     p.add_argument("--port", type=int, default=8000, help="port (0: pick a free one; the bound port is printed)")
     p.add_argument("--served-model-name", help="model id clients must send (default: the target's name)")
@@ -21,7 +27,7 @@ def add_serve(sub) -> None:
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--max-batch", type=int, default=8,
                    help="requests decoded together: each joins the batch at a cycle boundary and leaves when done "
-                        "(default 8; 1 = one at a time)")
+                        "(default 8; 1 = one at a time; vLLM's --max-num-seqs)")
     p.add_argument("--fixed-block", action="store_true",
                    help="verify each request's full block every cycle (default: greedy requests' widths adapt to the "
                         "measured load, docs/adaptive.md); its cycles then equal flashdraft generate's")

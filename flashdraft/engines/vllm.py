@@ -63,22 +63,35 @@ def check_drafts(drafter: str | Path, block_size: int) -> int:
     return block_size - 1
 
 
-def open_llm(model_dir: str, drafter: str | Path | None, k: int, dtype: str, max_model_len: int, seed: int):
-    """A vLLM engine for model_dir (with a DFlash drafter drafting k tokens unless drafter is None); vLLM's refusals
-    (what it cannot run here) as one line."""
-    vllm = require_vllm()
+def engine_kwargs(model_dir: str, drafter: str | Path | None, k: int, dtype: str, max_model_len: int,
+                  seed: int = 0) -> dict:
+    """vLLM engine arguments for model_dir, with a DFlash drafter drafting k tokens unless drafter is None."""
     kw = dict(model=model_dir, dtype=dtype, enforce_eager=True, max_model_len=max_model_len, seed=seed,
-              disable_log_stats=False)
+              disable_log_stats=False)  # per-request stats carry the timings
     if drafter is not None:
         kw |= dict(speculative_config=speculative_config(drafter, k), per_request_spec_decode_metrics="detailed")
+    return kw
+
+
+def refusal(vllm, e: Exception) -> FlashdraftError | None:
+    """vLLM's refusal of a configuration (what its model runner here does not support) as one line, else None."""
+    found = re.search(r"[^,:\]]*does not support:[^\[]*", " ".join(str(e).split()))
+    if found is None:
+        return None
+    return FlashdraftError(f"vLLM {vllm.__version__} cannot run this here: {found.group(0).strip()} (use a DFlash 1 "
+                           "drafter, a GPU build of vLLM, or --engine torch)")
+
+
+def validated(kw: dict) -> dict:
+    """kw once vLLM has accepted them (reading only configs, about a second): refusals before any weights load."""
+    vllm = require_vllm()
+    from vllm.engine.arg_utils import EngineArgs
+
     try:
-        return vllm.LLM(**kw)
-    except (ValueError, NotImplementedError, RuntimeError) as e:
-        refused = re.search(r"[^,:\]]*does not support:[^\[]*", " ".join(str(e).split()))
-        if refused:
-            raise FlashdraftError(f"vLLM {vllm.__version__} cannot run this here: {refused.group(0).strip()} (use a "
-                                  "DFlash 1 drafter, a GPU build of vLLM, or --engine torch)") from None
-        raise
+        EngineArgs(**kw).create_engine_config()
+    except (ValueError, NotImplementedError) as e:
+        raise refusal(vllm, e) or e from None
+    return kw
 
 
 @dataclass
@@ -97,7 +110,8 @@ class VllmResult:
     output_ids: list[int]
     num_prompt_tokens: int
     ttft_s: float  # arrival → first token
-    decode_s: float  # first → last token
+    first_ts: float  # vLLM's engine clock (monotonic) at the first and the last token: batches share one clock
+    last_ts: float
     config: dict
     acceptance_lengths: list[int] = field(default_factory=list)  # per verify step: drafts accepted + 1 (DFlash only)
     text: str = ""
@@ -108,8 +122,8 @@ class VllmResult:
 
     @property
     def timing(self) -> VllmTiming:
-        n = max(len(self.output_ids) - 1, 0)
-        return VllmTiming(self.ttft_s, self.ttft_s + self.decode_s, n / self.decode_s if self.decode_s > 0 else 0.0)
+        n, decode_s = max(len(self.output_ids) - 1, 0), self.last_ts - self.first_ts
+        return VllmTiming(self.ttft_s, self.ttft_s + decode_s, n / decode_s if decode_s > 0 else 0.0)
 
     def to_record(self) -> dict:
         return {"output_ids": self.output_ids, "text": self.text, "num_prompt_tokens": self.num_prompt_tokens,
@@ -131,11 +145,12 @@ def sampling_params(settings: DecodeSettings, stop_ids: list[int]):
 def result_of(out, config: dict) -> VllmResult:
     """A VllmResult from one vLLM RequestOutput (times from its own stats; acceptance from its spec counters)."""
     c, m = out.outputs[0], out.metrics
-    ttft = max(m.first_token_latency, 0.0) if m is not None else 0.0
-    decode = max(m.last_token_ts - m.first_token_ts, 0.0) if m is not None else 0.0
+    if m is None:
+        raise RuntimeError("vLLM returned no request stats (the engine must run with disable_log_stats=False)")
     spec = getattr(c, "spec_decode_metrics", None)
     acc = [a + 1 for a in spec.per_step_accepted] if spec is not None else []
-    return VllmResult(list(c.token_ids), len(out.prompt_token_ids), ttft, decode, config, acc)
+    return VllmResult(list(c.token_ids), len(out.prompt_token_ids), max(m.first_token_latency, 0.0), m.first_token_ts,
+                      max(m.last_token_ts, m.first_token_ts), config, acc)
 
 
 def sampling_defect(llm, target, seed: int = 0, tokens: int = 24, top_k: int = 4) -> str | None:
@@ -168,9 +183,10 @@ class VllmEngine:
     interleaves = False  # one vLLM engine at a time: a comparison runs all of one engine's runs, then the other's
     plain_name = "vllm plain"
 
-    def __init__(self, target, model_dir: str, drafter: Path | None, k: int, dtype: str):
-        self.target, self.model_dir, self.drafter, self.k, self.dtype = target, model_dir, drafter, k, dtype
-        self.llm, self.sampling_checked = None, False
+    def __init__(self, target, drafter: Path | None, k: int, kwargs: dict):
+        self.target, self.drafter, self.k, self.kwargs = target, drafter, k, kwargs
+        self.dtype = kwargs["dtype"]
+        self.llm, self.sampling_checked, self.sampling_why = None, False, None
 
     @classmethod
     def check(cls, settings: DecodeSettings, lookup_flag: str | None = None) -> None:
@@ -188,21 +204,19 @@ class VllmEngine:
              plain: bool = False) -> VllmEngine:
         """target: a loaded flashdraft Target (its directory is what vLLM loads); drafter: a DFlash directory (None:
         the registered one), run at settings.block_size (default the drafter's trained block)."""
-        from ..models import registered_drafter, resolve_target
+        from ..config import load_config
+        from ..models import REGISTRY, registered_drafter, resolve_target
+        from ..target import context_limit
 
-        require_vllm()
-        dtype = str(next(target.model.parameters()).dtype).removeprefix("torch.")
-        model_dir = resolve_target(target.name)
         src = None if plain else drafter or registered_drafter(target.name)
         if not plain and src is None:
             raise FlashdraftError(f"no drafter registered for {target.name}: pass --drafter DIR")
-        block = (settings.block_size if settings and settings.block_size else None)
-        if src is not None:
-            from ..config import load_config
-
-            k = check_drafts(src, block or load_config(src).block_size)
-            return cls(target, model_dir, Path(src), k, dtype)
-        return cls(target, model_dir, None, 0, dtype)
+        entry = REGISTRY.get(target.name) if drafter is None else None  # the registered drafter's own block size
+        block = (settings and settings.block_size) or (entry and entry.block_size)
+        k = check_drafts(src, block or load_config(src).block_size) if src else 0
+        dtype = str(next(target.model.parameters()).dtype).removeprefix("torch.")
+        kw = engine_kwargs(resolve_target(target.name), src, k, dtype, context_limit(target.model))
+        return cls(target, Path(src) if src else None, k, validated(kw))
 
     @property
     def block_size(self) -> int:
@@ -211,21 +225,24 @@ class VllmEngine:
     def started(self):
         """The vLLM engine, started now if it has not been."""
         if self.llm is None:
-            from ..target import context_limit
-
-            self.llm = open_llm(self.model_dir, self.drafter, self.k, self.dtype, context_limit(self.target.model), 0)
+            self.llm = require_vllm().LLM(**self.kwargs)
         return self.llm
 
+    def sampling_problem(self) -> str | None:
+        """Why sampled speculative decoding is wrong in this vLLM (its self-check, run once per engine), or None."""
+        if not self.sampling_checked:
+            self.sampling_why, self.sampling_checked = sampling_defect(self.started(), self.target), True
+        return self.sampling_why
+
     def check_sampling(self, settings: DecodeSettings) -> None:
-        """Refuse sampled speculative decoding where vLLM's sampler fails its self-check (once per engine)."""
-        if settings.greedy or self.drafter is None or self.sampling_checked:
+        """Refuse sampled speculative decoding where vLLM's sampler fails its self-check."""
+        if settings.greedy or self.drafter is None:
             return
-        why = sampling_defect(self.started(), self.target)
+        why = self.sampling_problem()
         if why:
             known = f" (on its CPU build: {CPU_SAMPLING_DEFECT})" if is_cpu_build() else ""
             raise FlashdraftError(f"vLLM's speculative sampling fails its self-check here: {why}{known}; use "
                                   "--temperature 0, --engine torch, or a vLLM build with the fix")
-        self.sampling_checked = True
 
     def generate_many(self, prompts: list[list[int]], settings: DecodeSettings) -> list[VllmResult]:
         """All prompts decoded together (vLLM's continuous batching); results in prompt order."""

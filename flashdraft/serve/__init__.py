@@ -13,14 +13,16 @@ from pathlib import Path
 from ..errors import FlashdraftError
 from ..decoding import settings_from_args
 
-ENGINES = ("torch",)
+ENGINES = ("torch", "vllm")
 
 
 def check_options(args) -> None:
     """One-line errors for options that cannot work, before anything is loaded."""
     if args.engine not in ENGINES:
-        raise FlashdraftError(f"--engine {args.engine} is not available; the only engine is 'torch' "
-                              "(a llama.cpp engine is separate work)")
+        raise FlashdraftError(f"--engine {args.engine} does not serve: choose torch (flashdraft's own server) or vllm "
+                              "(vLLM's server with flashdraft's speculative config)")
+    if args.engine != "vllm" and (args.vllm_args or args.print_command):
+        raise FlashdraftError("--vllm-args and --print-command are for --engine vllm")
     if not 0 <= args.port <= 65535:
         raise FlashdraftError(f"--port must be in 0..65535, got {args.port}")
     for name in ("max_queue",):
@@ -57,6 +59,10 @@ def is_loopback(host: str) -> bool:
 
 def cmd_serve(args) -> int:
     check_options(args)
+    if args.engine == "vllm":
+        from .vllm import cmd_serve_vllm
+
+        return cmd_serve_vllm(args)
     try:
         import uvicorn
 
