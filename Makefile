@@ -1,4 +1,5 @@
-# Quick start: `make demo` (install + default target + generate) and `make test` (install + test suite).
+# Quick start: `make demo` (install + default target + generate) and `make test` (install + llama.cpp, vLLM and MLX
+# + test suite).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -71,10 +72,10 @@ mlx: install $(VENV)/.mlx
 demo: install
 	$(VENV)/bin/flashdraft generate "$(PROMPT)" --max-new-tokens 128 --compare-ar
 
-test: install llamacpp
+test: install llamacpp vllm mlx
 	$(PY) -m pytest -q
 
-test-fast: install llamacpp
+test-fast: install llamacpp vllm mlx
 	$(PY) -m pytest -q -m "not slow"
 
 clean:

@@ -157,6 +157,12 @@ def load_target(name: str | None = None, dtype: str | torch.dtype = "float32", d
     return Target(model, tokenizer, name)
 
 
+def served_name(target_arg: str | None) -> str:
+    """The model id a server answers to: the registered name, a local directory's last component, or the hub id."""
+    name = target_arg or DEFAULT_TARGET
+    return Path(name).name if Path(name).is_dir() else name
+
+
 def registered_drafter(target_name: str) -> Path | None:
     """The drafter shipped for a registered target, if it is installed."""
     entry = REGISTRY.get(target_name)

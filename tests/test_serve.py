@@ -676,7 +676,7 @@ def test_solo_decoder_serves_targets_that_cannot_batch():
 # ---------------------------------------------------------------- command line
 
 @pytest.mark.parametrize("args,match", [
-    (["--engine", "llama.cpp"], "only engine is 'torch'"),
+    (["--engine", "llama.cpp"], "does not serve: choose torch"),
     (["--port", "70000"], "--port must be in"),
     (["--max-queue", "-1"], "--max-queue must be >= 0"),
     (["--max-batch", "0"], "--max-batch must be > 0"),

@@ -213,6 +213,13 @@ def cmd_bench(args) -> int:
     check_bench_args(args)
     methods = parse_methods(args.methods, reference=not args.no_ar)
     sweep = sweep_from_args(args)
+    uses_vllm = bool(VLLM_METHODS & set(methods))
+    if sweep.batches != [1] and not uses_vllm:
+        raise FlashdraftError("--batch is for the vllm methods; add vllm or vllm-dflash to --methods")
+    if uses_vllm:
+        from ..engines.vllm import require_vllm
+
+        require_vllm()  # fail before any work when vLLM is missing
     datasets = load_datasets(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.threads:
@@ -226,13 +233,6 @@ def cmd_bench(args) -> int:
     if uses_llamacpp:
         tool("llama-server")  # fail before any work when llama.cpp is not built
         sweep.ggufs = resolve_ggufs(args.gguf, target.name)
-    uses_vllm = bool(VLLM_METHODS & set(methods))
-    if args.batch != "1" and not uses_vllm:
-        raise FlashdraftError("--batch is for the vllm methods; add vllm or vllm-dflash to --methods")
-    if uses_vllm:
-        from ..engines.vllm import require_vllm
-
-        require_vllm()  # fail before any work when vLLM is missing
     engines: list = []
     variants = build_variants(target, methods, MethodSettings(decode, lookup_tokens=args.lookup_tokens), sweep, engines)
     config = run_config(args, target, device, uses_llamacpp, uses_vllm)

@@ -208,12 +208,12 @@ class VllmEngine:
         from ..models import REGISTRY, registered_drafter, resolve_target
         from ..target import context_limit
 
-        src = None if plain else drafter or registered_drafter(target.name)
-        if not plain and src is None:
+        block = settings.block_size if settings else None
+        src = None if plain or block == 1 else drafter or registered_drafter(target.name)  # block 1: plain
+        if src is None and not (plain or block == 1):
             raise FlashdraftError(f"no drafter registered for {target.name}: pass --drafter DIR")
         entry = REGISTRY.get(target.name) if drafter is None else None  # the registered drafter's own block size
-        block = (settings and settings.block_size) or (entry and entry.block_size)
-        k = check_drafts(src, block or load_config(src).block_size) if src else 0
+        k = check_drafts(src, block or (entry and entry.block_size) or load_config(src).block_size) if src else 0
         dtype = str(next(target.model.parameters()).dtype).removeprefix("torch.")
         kw = engine_kwargs(resolve_target(target.name), src, k, dtype, context_limit(target.model))
         return cls(target, Path(src) if src else None, k, validated(kw))

@@ -8,7 +8,6 @@ from __future__ import annotations
 import ipaddress
 import socket
 import sys
-from pathlib import Path
 
 from ..errors import FlashdraftError
 from ..decoding import settings_from_args
@@ -44,12 +43,6 @@ def bind(host: str, port: int) -> socket.socket:
         raise FlashdraftError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
-def served_name(target_arg: str | None, default: str) -> str:
-    """The model id: the registered name, or a local directory's last component, or the hub id."""
-    name = target_arg or default
-    return Path(name).name if Path(name).is_dir() else name
-
-
 def is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -72,7 +65,7 @@ def cmd_serve(args) -> int:
                               "pip install 'flashdraft[serve]'") from None
     import torch
 
-    from ..models import DEFAULT_TARGET, load_drafter_or_plain, load_target
+    from ..models import load_drafter_or_plain, load_target, served_name
     from .engine import Engine
     from .protocol import Served
     from .scheduler import Limits, Scheduler
@@ -84,7 +77,7 @@ def cmd_serve(args) -> int:
     engine = Engine(target, drafter, settings, args.max_batch, adaptive=not args.fixed_block)
     limits = Limits(args.max_queue, args.request_timeout, args.max_body_bytes, args.shutdown_timeout)
     scheduler = Scheduler(engine, limits)
-    model_id = args.served_model_name or served_name(args.target, DEFAULT_TARGET)
+    model_id = args.served_model_name or served_name(args.target)
     app = create_app(scheduler, Served([model_id], target, args.default_max_tokens, engine.tokens))
 
     sock = bind(args.host, args.port)

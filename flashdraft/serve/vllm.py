@@ -98,15 +98,14 @@ def cmd_serve_vllm(args) -> int:
     from ..decoding.settings import DecodeSettings
     from ..engines.vllm import (CPU_SAMPLING_DEFECT, ENV_DEFAULTS, VllmEngine, check_drafts, is_cpu_build,
                                 require_vllm, speculative_config)
-    from ..models import DEFAULT_TARGET, load_target, registered_drafter, resolve_target
-    from . import served_name
+    from ..models import load_target, registered_drafter, resolve_target, served_name
 
     check_vllm_options(args)
     user_env = dict(os.environ)
     require_vllm()
     target = load_target(args.target, dtype=args.dtype)
     drafter = Path(args.drafter) if args.drafter else registered_drafter(target.name)
-    args.served_model_name_resolved = args.served_model_name or served_name(args.target, DEFAULT_TARGET)
+    args.served_model_name_resolved = args.served_model_name or served_name(args.target)
     spec, guard = None, False
     if drafter is not None and args.block_size != 1:
         if args.block_size:
