@@ -20,7 +20,9 @@ from ..errors import FlashdraftError
 
 # The engine core in this process (no spawned process to import our __main__), its logs at warnings; a CPU build's
 # KV cache sized for one small model (vLLM reserves it up front). Each only where the user has not set it.
-ENV_DEFAULTS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_CPU_KVCACHE_SPACE": "2"}
+# vLLM logs to stdout by default; its warnings belong on stderr, beside ours (stdout carries --json records)
+ENV_DEFAULTS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_CPU_KVCACHE_SPACE": "2",
+                "VLLM_LOGGING_STREAM": "ext://sys.stderr"}
 # An upstream defect of vLLM's CPU build (vllm-project/vllm#55005): its `expand_kernel` shim fills an int64 copy of
 # the per-token temperature / top-k / top-p buffers and never copies it back, so sampled speculative decoding reads
 # uninitialised memory (garbage text, or an index error).
