@@ -1,9 +1,9 @@
 """Bench methods: each is one small function (target, prompt ids, MethodSettings) → Sample, registered in METHODS.
 
 ar and dflash run on the torch engine, llamacpp and llamacpp-dflash on the llama.cpp engine, vllm and vllm-dflash on
-vLLM (batched: BATCH_METHODS take several prompts at once); hf and hf-lookup are transformers' own `generate`. Each
-method has a plain baseline on the same engine (ar, llamacpp on the same target file, vllm at the same batch size) that
-its speedup and its token-identity check refer to.
+vLLM (batched: BATCH_METHODS take several prompts at once), mlx and mlx-dflash on MLX; hf and hf-lookup are
+transformers' own `generate`. Each method has a plain baseline on the same engine (ar, llamacpp on the same target
+file, vllm at the same batch size, mlx) that its speedup and its token-identity check refer to.
 """
 
 from __future__ import annotations
@@ -164,14 +164,25 @@ def run_vllm(target, ids: list[int], s: MethodSettings) -> Sample:
     return run_vllm_batch(target, [ids], s)[0]
 
 
+# ---------------------------------------------------------------- MLX engine
+
+def run_mlx(target, ids: list[int], s: MethodSettings) -> Sample:
+    """The MLX engine, plain or with the drafter in MLX; a cycle is one lazy graph, so it has no draft/verify split."""
+    r = s.engine.generate(ids, s.decode)
+    drafted = s.engine.drafter is not None
+    return Sample(r.output_ids, r.timing.prefill_s, r.timing.total_s, 1, r.acceptance_lengths,
+                  stages=[c.stages for c in r.cycles] if drafted else [], lookup_cycles=r.lookup_cycles)
+
+
 METHODS: dict[str, Method] = {"ar": run_ar, "hf": run_hf, "hf-lookup": run_hf_lookup, "dflash": run_dflash,
                               "llamacpp": run_llamacpp, "llamacpp-dflash": run_llamacpp,
-                              "vllm": run_vllm, "vllm-dflash": run_vllm}
+                              "vllm": run_vllm, "vllm-dflash": run_vllm, "mlx": run_mlx, "mlx-dflash": run_mlx}
 BATCH_METHODS = {"vllm": run_vllm_batch, "vllm-dflash": run_vllm_batch}  # run a variant at a time, batch by batch
-DRAFTER_METHODS = {"dflash", "llamacpp-dflash", "vllm-dflash"}  # swept over --drafter × --block-size (× DLoop: dflash)
+DRAFTER_METHODS = {"dflash", "llamacpp-dflash", "vllm-dflash", "mlx-dflash"}  # swept over --drafter × --block-size (× DLoop: dflash)
 LLAMACPP_METHODS = {"llamacpp", "llamacpp-dflash"}  # swept over --gguf
 VLLM_METHODS = {"vllm", "vllm-dflash"}  # swept over --batch
-PLAIN_OF = {"llamacpp-dflash": "llamacpp", "vllm-dflash": "vllm"}  # a drafter method's plain baseline, always run
+MLX_METHODS = {"mlx", "mlx-dflash"}
+PLAIN_OF = {"llamacpp-dflash": "llamacpp", "vllm-dflash": "vllm", "mlx-dflash": "mlx"}  # a drafter method's plain baseline, always run
 
 
 def parse_methods(text: str, reference: bool = True) -> list[str]:

@@ -12,7 +12,7 @@ from ..engines import get_engine
 from ..errors import FlashdraftError
 from ..engines.llamacpp import server_context
 from ..llamacpp.gguf import Gguf
-from .methods import DRAFTER_METHODS, LLAMACPP_METHODS, VLLM_METHODS, MethodSettings
+from .methods import DRAFTER_METHODS, LLAMACPP_METHODS, MLX_METHODS, VLLM_METHODS, MethodSettings
 
 LOOKUP_LABELS = {True: "lookup", False: "no-lookup", "tree": "lookup-tree"}
 
@@ -47,7 +47,8 @@ def loop_settings(stages: list[int], gates: list[float]) -> list[tuple[int, floa
 
 def variant_label(m: str, kind: str, parts: list[str]) -> str:
     """`dflash2[name,b8,s2,g-0.75]`, `llamacpp-dflash2[f32,name,b8]`: drafter methods are labelled by drafter kind."""
-    head = {"dflash": kind, "llamacpp-dflash": f"llamacpp-{kind}", "vllm-dflash": f"vllm-{kind}"}.get(m, m)
+    head = {"dflash": kind, "llamacpp-dflash": f"llamacpp-{kind}", "vllm-dflash": f"vllm-{kind}",
+            "mlx-dflash": f"mlx-{kind}"}.get(m, m)
     return f"{head}[{','.join(parts)}]" if parts else head
 
 
@@ -88,6 +89,25 @@ def vllm_variants(target, m: str, drafter: str | None, base: MethodSettings, swe
     return out
 
 
+def mlx_variants(target, m: str, drafter: str | None, base: MethodSettings, sweep: Sweep, kind: str,
+                 parts: list[str], desc: dict, engines: list) -> list[Variant]:
+    """mlx: the target alone in MLX; mlx-dflash: one Variant per lookup setting (the MLX engine verifies chains, so
+    trees are not swept), baseline mlx."""
+    if m == "mlx":
+        engine = get_engine("mlx").open(target, plain=True)
+        engines.append(engine)
+        return [Variant("mlx", m, replace(base, engine=engine), {"method": m})]
+    engine = get_engine("mlx").open(target, drafter, base.decode.updated(tree=None))
+    engines.append(engine)
+    out = []
+    for lookup in sweep.lookups:
+        label_parts = parts + ([LOOKUP_LABELS[lookup]] if len(sweep.lookups) > 1 or lookup is not True else [])
+        decode = base.decode.updated(lookup=lookup, tree=0)
+        out.append(Variant(variant_label(m, kind, label_parts), m, replace(base, decode=decode, engine=engine),
+                           {**desc, "method": m, "lookup": lookup, "baseline": "mlx"}))
+    return out
+
+
 def drafter_variants(target, m: str, base: MethodSettings, sweep: Sweep, gguf: Gguf | None,
                      engines: list) -> list[Variant]:
     """One Variant per (drafter, block size, loop setting, lookup, tree) of a drafter method; on llama.cpp per target
@@ -109,6 +129,9 @@ def drafter_variants(target, m: str, base: MethodSettings, sweep: Sweep, gguf: G
             decode = base.decode.updated(block_size=b)
             if m in VLLM_METHODS:
                 out += vllm_variants(target, m, d, replace(base, decode=decode), sweep, kind, parts, desc, engines)
+                continue
+            if m in MLX_METHODS:
+                out += mlx_variants(target, m, d, replace(base, decode=decode), sweep, kind, parts, desc, engines)
                 continue
             if gguf is None:
                 out += torch_variants(m, kind, parts, desc, replace(base, decode=decode, drafter=drafter), sweep)
@@ -135,6 +158,8 @@ def build_variants(target, methods: list[str], base: MethodSettings, sweep: Swee
                 out += drafter_variants(target, m, base, sweep, g, engines)
             elif m in VLLM_METHODS:
                 out += vllm_variants(target, m, None, base, sweep, "", [], {}, engines)
+            elif m in MLX_METHODS:
+                out += mlx_variants(target, m, None, base, sweep, "", [], {}, engines)
             elif g is not None:
                 engine = get_engine("llamacpp").open(target, plain=True, gguf=g, threads=sweep.threads,
                                                      ctx=server_context(target))

@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 from ..bench.datasets import HUB_DATASETS, Prompt, load_dataset, parse_dataset
-from ..bench.methods import ALL_METHODS, LLAMACPP_METHODS, METHODS, VLLM_METHODS, MethodSettings, parse_methods
+from ..bench.methods import (ALL_METHODS, LLAMACPP_METHODS, METHODS, MLX_METHODS, VLLM_METHODS, MethodSettings,
+                             parse_methods)
 from ..bench.variants import Sweep, Variant, loop_settings
 from ..decoding.settings import DecodeSettings, add_decode_arguments, parse_ids, parse_list, parse_lookup
 from ..errors import FlashdraftError
@@ -23,8 +24,8 @@ def add_bench(sub) -> None:
                         "(repeatable)")
     p.add_argument("--methods", default=ALL_METHODS,
                    help=f"comma-separated, from {', '.join(METHODS)} (default {ALL_METHODS}; ar is always run as the "
-                        "reference, llamacpp with llamacpp-dflash and vllm with vllm-dflash; the llamacpp methods need "
-                        "`make llamacpp`, the vllm methods `make vllm`)")
+                        "reference, llamacpp with llamacpp-dflash, vllm with vllm-dflash, mlx with mlx-dflash; the "
+                        "llamacpp methods need `make llamacpp`, the vllm methods `make vllm`, the mlx methods `make mlx`)")
     p.add_argument("--batch", default="1",
                    help="vllm methods: prompts decoded together, a comma-separated sweep (e.g. 1,4,8; default 1); "
                         "tok/s is then the batch's output throughput")
@@ -220,6 +221,10 @@ def cmd_bench(args) -> int:
         from ..engines.vllm import require_vllm
 
         require_vllm()  # fail before any work when vLLM is missing
+    if MLX_METHODS & set(methods):
+        from ..mlx import require_mlx
+
+        require_mlx()
     datasets = load_datasets(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.threads:

@@ -21,6 +21,7 @@ ENGINES = {
     "torch": "flashdraft.engines.torch:TorchEngine",
     "llamacpp": "flashdraft.engines.llamacpp:LlamaCppEngine",
     "vllm": "flashdraft.engines.vllm:VllmEngine",
+    "mlx": "flashdraft.engines.mlx:MlxEngine",
 }
 
 

@@ -1,0 +1,122 @@
+"""The target as an mlx-lm model loaded from the same Hugging Face directory: forward with captured features, caches
+that roll back by trimming."""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.utils import load_model
+
+from ..errors import FlashdraftError
+
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+
+class Capture(nn.Module):
+    """A decoder layer that keeps its output (HF's hidden_states[i + 1]) in `slot.out` (the official model_mlx.py)."""
+
+    def __init__(self, layer: nn.Module, slot: SimpleNamespace):
+        super().__init__()
+        self.layer, self.slot = layer, slot
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "layer" or "layer" not in self:
+                raise
+            return getattr(self["layer"], name)  # attributes the model reads, e.g. use_sliding
+
+    def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
+        y = self.layer(x, *args, **kwargs)
+        self.slot.out = y
+        return y
+
+
+def rope_overrides(config: dict) -> dict:
+    """transformers 5 writes RoPE as `rope_parameters`, which mlx-lm does not read (it would silently use θ = 10000):
+    pass θ (and any scaling) the old way."""
+    params = config.get("rope_parameters")
+    if not isinstance(params, dict) or "rope_theta" in config:
+        return {}
+    out = {"rope_theta": params["rope_theta"]} if "rope_theta" in params else {}
+    if params.get("rope_type", "default") != "default":
+        out["rope_scaling"] = params
+    return out
+
+
+@dataclass
+class MlxTarget:
+    """An mlx-lm model with its decoder layers, embedding and head at hand."""
+
+    model: nn.Module
+    slots: dict[int, SimpleNamespace]  # captured layers → their last output
+
+    @property
+    def inner(self) -> nn.Module:
+        return self.model.model
+
+    def embed(self, ids: mx.array) -> mx.array:
+        return self.inner.embed_tokens(ids)
+
+    def head_weight(self) -> mx.array:
+        """The LM head's weight [V, h] (the embedding when they are tied)."""
+        lm_head = getattr(self.model, "lm_head", None)
+        return (lm_head if lm_head is not None else self.inner.embed_tokens).weight
+
+    def head(self, h: mx.array) -> mx.array:
+        lm_head = getattr(self.model, "lm_head", None)
+        return lm_head(h) if lm_head is not None else self.inner.embed_tokens.as_linear(h)
+
+    def new_cache(self) -> list:
+        return make_prompt_cache(self.model)
+
+    def forward(self, ids: list[int] | mx.array, cache: list, layer_ids: list[int],
+                keep: int = 0) -> tuple[mx.array, mx.array | None]:
+        """ids [n] after the cached positions → (float32 logits [n or keep, V], features [n, len(layer_ids)·h] or
+        None); lazy: nothing is evaluated here."""
+        missing = [i for i in layer_ids if i not in self.slots]
+        if missing:
+            raise FlashdraftError(f"the drafter reads target layers {missing}; the target has {len(self.slots)}")
+        x = mx.array(ids) if isinstance(ids, list) else ids
+        h = self.inner(x[None], cache)[0]  # final-normed hidden [n, h]
+        logits = self.head(h[-keep:] if keep else h).astype(mx.float32)
+        feats = mx.concatenate([self.slots[i].out[0] for i in layer_ids], -1) if layer_ids else None
+        return logits, feats
+
+
+def trim(cache: list, n: int) -> None:
+    """Drop the last n cached positions (rejected drafts)."""
+    if n > 0 and trim_prompt_cache(cache, n) != n:
+        raise RuntimeError(f"the mlx-lm cache could not drop {n} positions")
+
+
+def cache_length(cache: list) -> int:
+    return cache[0].offset
+
+
+@functools.cache
+def load_mlx_target(path: str | Path, dtype: str) -> MlxTarget:
+    """The mlx-lm model in `path` (a Hugging Face directory) in `dtype`, every layer's output captured (a reference
+    kept, no copy); loaded once per process and shared by plain and drafted engines."""
+    path = Path(path)
+    config = json.loads((path / "config.json").read_text())
+    try:
+        model, _ = load_model(path, model_config=rope_overrides(config))
+    except ValueError as e:
+        raise FlashdraftError(f"mlx-lm cannot load {path}: {e}") from None
+    model.set_dtype(DTYPES[dtype])
+    layers = model.model.layers
+    slots = {}
+    for i in range(len(layers)):
+        slots[i] = SimpleNamespace(out=None)
+        layers[i] = Capture(layers[i], slots[i])
+    mx.eval(model.parameters())
+    return MlxTarget(model, slots)
