@@ -258,13 +258,17 @@ def test_bench_mlx_methods_are_lossless(dirs, tmp_path):
     out = tmp_path / "run"
     assert main(["bench", "--target", str(dirs / "target"), "--drafter", str(dirs / "drafter"), "--dataset",
                  f"tiny={dirs / 'tiny.jsonl'}", "--methods", "mlx,mlx-dflash,dflash", "--block-size", "4",
-                 "--lookup", "off", "--tree", "0", "--max-new-tokens", "10", "--out", str(out)]) == 0
+                 "--lookup", "off", "--tree", "0", "--max-new-tokens", "10", "--out", str(out), "--profile",
+                 "--profile-tokens", "6"]) == 0
     s = json.loads((out / "summary.json").read_text())
     assert s["correctness"]["checked"] and not s["correctness"]["failed"]
     rows = s["results"]["all"]
     mlx_row = next(v for k, v in rows.items() if k.startswith("mlx-dflash"))
     torch_row = next(v for k, v in rows.items() if k.startswith("dflash"))
     assert mlx_row["baseline"] == "mlx" and mlx_row["tau"] == pytest.approx(torch_row["tau"], rel=0.05)
+    prof = next(p for p in json.loads((out / "profile.json").read_text())["profiles"] if p["label"].startswith("mlx"))
+    assert prof["engine"] == "mlx (float32)" and prof["plain_ms"] > 0 and sorted(map(int, prof["draft_ms"])) == list(range(2, 9))
+    assert all(v > 0 for v in [*prof["draft_ms"].values(), *prof["verify_ms"].values(), *prof["break_even"].values()])
 
 
 # ---------------------------------------------------------------- the real target

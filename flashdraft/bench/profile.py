@@ -46,37 +46,64 @@ def check_profile_args(model, block_sizes: list[int], prompt_ids: list[int], tok
                               f"context of {limit}; use a shorter prompt or fewer tokens")
 
 
-def measure_torch(model, drafter, block_sizes: list[int], prompt_ids: list[int], tokens: int = 128,
-                  repeats: int = 3) -> dict:
-    """Per-cycle costs in ms inside flashdraft's own loop (greedy, stop tokens ignored, after a warm-up).
+def measure_loop(engine: str, decode, drafted: bool, block_sizes: list[int], context_len: int,
+                 tokens: int, repeats: int) -> dict:
+    """Per-cycle costs in ms inside an engine's own loop; decode(use_drafter, b, n) → a GenerationResult of n tokens.
 
     plain_ms: decode time per token at block size 1. For each B, a DFlash run gives draft_ms (the proposer's time
-    per cycle, as decode counts it) and verify_ms (the rest of a cycle: the B-token target pass, acceptance and
-    cache rollback), so draft_ms + verify_ms is what one cycle costs and break-even τ needs no other term.
-    Each is the median of `repeats` rounds that each run plain decoding and every B once.
+    per cycle) and verify_ms (the rest of a cycle: the B-token target pass, acceptance and cache rollback), so
+    draft_ms + verify_ms is what one cycle costs and break-even τ needs no other term. Each is the median of
+    `repeats` rounds that each run plain decoding and every B once.
     """
-    block_sizes = sorted(set(block_sizes))
-    check_profile_args(model, block_sizes, prompt_ids, tokens, repeats)
-
-    def run(d, b: int, n: int):  # chains, no lookup: every cycle verifies exactly b positions (fewer only at the end)
-        settings = DecodeSettings(block_size=b, max_new_tokens=n, stop_token_ids=(), lookup=False, tree=0)
-        return decode_ids(model, d, prompt_ids, settings)
-
     def per_cycle(r) -> tuple[float, float]:
         t, n = r.timing, len(r.cycles)
         return 1e3 * t.draft_s / n, 1e3 * (t.total_s - t.prefill_s - t.draft_s) / n
 
-    run(drafter, max(block_sizes) if drafter is not None else 1, 8)  # warm-up: first-call costs stay out
+    decode(drafted, max(block_sizes) if drafted else 1, 8)  # warm-up: first-call costs stay out
     plain: list[float] = []
-    costs: dict[int, list[tuple[float, float]]] = {b: [] for b in block_sizes if drafter is not None}
+    costs: dict[int, list[tuple[float, float]]] = {b: [] for b in block_sizes if drafted}
     for _ in range(repeats):  # rounds, not one block size after another: drift on a shared machine hits all alike
-        plain.append(sum(per_cycle(run(None, 1, tokens))))  # the whole step
+        plain.append(sum(per_cycle(decode(False, 1, tokens))))  # the whole step
         for b in costs:
-            costs[b].append(per_cycle(run(drafter, b, tokens)))
-    return {"engine": "torch", "plain_ms": statistics.median(plain),
+            costs[b].append(per_cycle(decode(True, b, tokens)))
+    return {"engine": engine, "plain_ms": statistics.median(plain),
             "verify_ms": {b: statistics.median(v for _, v in c) for b, c in costs.items()},
             "draft_ms": {b: statistics.median(d for d, _ in c) for b, c in costs.items()},
-            "context_len": len(prompt_ids) + tokens // 2}
+            "context_len": context_len}
+
+
+def chain_settings(b: int, n: int) -> DecodeSettings:
+    """Chains without lookup or stops: every cycle verifies exactly b positions (fewer only at the end)."""
+    return DecodeSettings(block_size=b, max_new_tokens=n, stop_token_ids=(), lookup=False, tree=0)
+
+
+def measure_torch(model, drafter, block_sizes: list[int], prompt_ids: list[int], tokens: int = 128,
+                  repeats: int = 3) -> dict:
+    """measure_loop in flashdraft's own torch loop (greedy, stop tokens ignored, after a warm-up)."""
+    block_sizes = sorted(set(block_sizes))
+    check_profile_args(model, block_sizes, prompt_ids, tokens, repeats)
+
+    def decode(use: bool, b: int, n: int):
+        return decode_ids(model, drafter if use else None, prompt_ids, chain_settings(b, n))
+
+    return measure_loop("torch", decode, drafter is not None, block_sizes, len(prompt_ids) + tokens // 2, tokens,
+                        repeats)
+
+
+def measure_mlx(engine, block_sizes: list[int], prompt_ids: list[int], tokens: int = 128, repeats: int = 3) -> dict:
+    """measure_loop on an MlxEngine, each draft evaluated before its verify so drafting is timed on its own."""
+    from ..mlx.decode import decode_ids as mlx_decode_ids
+
+    model = engine.target.model
+    block_sizes = sorted(set(block_sizes))
+    check_profile_args(model, block_sizes, prompt_ids, tokens, repeats)
+
+    def decode(use: bool, b: int, n: int):
+        return mlx_decode_ids(engine.mlx_target, engine.drafter if use else None, prompt_ids, chain_settings(b, n),
+                              T.vocab_size(model), T.context_limit(model), split_timing=True)
+
+    return measure_loop(f"mlx ({engine.dtype})", decode, engine.drafter is not None, block_sizes,
+                        len(prompt_ids) + tokens // 2, tokens, repeats)
 
 
 def measure_llamacpp(model: Path, drafter: Path | None, block_sizes: list[int], ids: list[int],
@@ -204,18 +231,20 @@ def measured_taus(records: list[dict], labels: list[str], variants: dict[str, Va
 
 def run_profile(target, variants: list[Variant], datasets: dict[str, list[Prompt]], out: Path, chat: bool,
                 threads: int | None, tokens: int = 128) -> dict:
-    """The cost profile of each engine in the run (torch in its dtype, llama.cpp per target file) for each drafter,
+    """The cost profile of each engine in the run (torch in its dtype, llama.cpp per target file, MLX) for each drafter,
     with break-even τ, and τ / best block size where this run measured the drafter; written to profile.json."""
     records = load_records(out / "samples.jsonl")
     by_label = {v.label: v for v in variants}
     drafters = list(dict.fromkeys(v.desc["drafter"] for v in variants if v.method in DRAFTER_METHODS)) or [None]
     torch_run = any(v.method not in LLAMACPP_METHODS for v in variants)
     files = list(dict.fromkeys(v.desc["gguf"] for v in variants if v.method in LLAMACPP_METHODS))
+    mlx_runs = [v for v in variants if v.method == "mlx-dflash"]
+    mlx_runs = list({id(v.settings.engine): v for v in mlx_runs}.values())  # one per engine (drafter, block)
     ids = encode_turn(target, next(iter(datasets.values()))[0].turns, [], None, None, chat)
     dtype = str(next(target.model.parameters()).dtype).replace("torch.", "")
     rows = []
     with progress() as bar:
-        task = bar.add_task("profile", total=len(drafters) * (int(torch_run) + len(files)))
+        task = bar.add_task("profile", total=len(drafters) * (int(torch_run) + len(files)) + len(mlx_runs))
         for d in drafters:
             mine = [v for v in variants if v.method in DRAFTER_METHODS and v.desc["drafter"] == d]
             name = Path(d).name if d else "no drafter"
@@ -242,6 +271,15 @@ def run_profile(target, variants: list[Variant], datasets: dict[str, list[Prompt
                 rows.append({"label": f"llama.cpp {Path(f).name} · {name}", "drafter": d, **prof,
                              "tau_by_block": taus})
                 bar.advance(task)
+        for v in mlx_runs:
+            name = Path(v.desc["drafter"]).name
+            bar.update(task, description=f"profile · mlx {dtype} · {name}")
+            blocks = [b for b in PROFILE_BLOCKS if b <= v.settings.engine.drafter.config.block_size]
+            prof = measure_mlx(v.settings.engine, blocks, ids, tokens)
+            taus = measured_taus(records, [u.label for u in variants if u.method == "mlx-dflash"
+                                           and u.desc["drafter"] == v.desc["drafter"]], by_label)
+            rows.append({"label": f"mlx {dtype} · {name}", "drafter": v.desc["drafter"], **prof, "tau_by_block": taus})
+            bar.advance(task)
     for r in rows:
         r["break_even"] = break_even(r)
         r["predicted"] = predict(r, r["tau_by_block"]) if r["tau_by_block"] else {}
