@@ -225,6 +225,17 @@ def test_serve_engine_vllm_answers_the_openai_client_as_vllm_decodes(tmp_path):
         stream = client.chat.completions.create(model=models[0], messages=msgs, max_tokens=24, temperature=0,
                                                 stream=True)
         assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == chat.choices[0].message.content
+        answer = chat.choices[0].message.content
+        cut = client.chat.completions.create(model=models[0], messages=msgs, max_tokens=24, temperature=0, stop=["2"])
+        assert answer.startswith(cut.choices[0].message.content) and "2" not in cut.choices[0].message.content
+        text = client.completions.create(model=models[0], prompt="The capital of France is", max_tokens=12,
+                                         temperature=0)
+        text_stream = client.completions.create(model=models[0], prompt="The capital of France is", max_tokens=12,
+                                                temperature=0, stream=True)
+        assert text.choices[0].text and "".join(c.choices[0].text for c in text_stream) == text.choices[0].text
+        assert text.usage.completion_tokens == 12 and text.choices[0].finish_reason == "length"
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model="no-such-model", messages=msgs, max_tokens=4, temperature=0)
         if cpu_build():
             with pytest.raises(openai.BadRequestError, match="55005"):
                 client.chat.completions.create(model=models[0], messages=msgs, max_tokens=8)

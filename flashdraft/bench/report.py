@@ -87,7 +87,7 @@ def baseline(label: str, desc: dict | None) -> str | None:
     desc = desc or {}
     if "baseline" in desc:
         return desc["baseline"]
-    return None if label == "ar" or desc.get("method") in ("ar", "llamacpp", "vllm") else "ar"
+    return None if label == "ar" or desc.get("method") in ("ar", "llamacpp", "vllm", "mlx") else "ar"
 
 
 def summarize(records: list[dict], labels: list[str], config: dict, datasets: dict, stopped: str | None,
@@ -212,7 +212,8 @@ def markdown(s: dict, plots: list[str]) -> str:
               "pooled over all turns; TTFT is reported separately.",
               "- × ar, × hf: ratio of decode tok/s to that baseline on the prompts both finished; × plain: the same "
               "against the method's plain baseline on its own engine (ar for torch methods, llamacpp on the same "
-              "target file for llamacpp-dflash), which is also what its tokens are checked against.",
+              "target file for llamacpp-dflash, vllm at the same batch size for vllm-dflash, mlx for mlx-dflash), "
+              "which is also what its tokens are checked against.",
               "- llama.cpp rows use llama-server's own prompt and generation timings (no HTTP time); their draft "
               "time is llama.cpp's timer around the drafter's block pass, and the rest of each cycle (the target "
               "pass, the drafter's context update with the new target features, sampling, acceptance) shows as "

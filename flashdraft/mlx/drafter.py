@@ -161,6 +161,7 @@ class MlxDrafter(nn.Module):
         if c.arch == "dflash2":
             self.candidate_selector = CandidateSelector(c)
         self.draft_vocab: mx.array | None = None  # sorted ids the drafter may propose (None: all)
+        self._draft_head: tuple | None = None  # (the head weight, its draft_vocab rows transposed), gathered once
 
     def context_kv(self, features: mx.array, offset: int) -> list[KV]:
         """features [1, n, len(ids)·target_hidden] at positions offset.. → per-layer K/V."""
@@ -190,7 +191,11 @@ class MlxDrafter(nn.Module):
         h = hidden.astype(head_weight.dtype)
         if self.draft_vocab is None:
             return self.scale_logits((h @ head_weight.T).astype(mx.float32))
-        sub = self.scale_logits((h @ head_weight[self.draft_vocab].T).astype(mx.float32))
+        if self._draft_head is None or self._draft_head[0] is not head_weight:  # the target's head is frozen
+            rows = head_weight[self.draft_vocab].T
+            mx.eval(rows)
+            self._draft_head = (head_weight, rows)
+        sub = self.scale_logits((h @ self._draft_head[1]).astype(mx.float32))
         full = mx.full((h.shape[0], head_weight.shape[0]), -mx.inf, dtype=mx.float32)
         full[:, self.draft_vocab] = sub
         return full
