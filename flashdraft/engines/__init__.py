@@ -53,6 +53,20 @@ class Engine(Protocol):
     def __exit__(self, *exc) -> None: ...
 
 
+def check_chain_engine(settings: DecodeSettings, lookup_flag: str | None, name: str, lookup: bool = False) -> None:
+    """One-line errors for what only the torch engine does: DLoop, draft trees (--tree 0, a chain, is fine) and,
+    unless the engine has it (lookup=True), prompt lookup; `name` says what the engine does instead."""
+    settings.validate()
+    if settings.loop_stages != 1:
+        raise FlashdraftError("--loop-stages (DLoop) runs on the torch engine only; drop it or use --engine torch")
+    if lookup_flag and not lookup:
+        raise FlashdraftError(f"{lookup_flag} is for --engine torch ({name} drafts every cycle); drop it")
+    if settings.lookup == "tree":
+        raise FlashdraftError("--lookup tree grafts onto draft trees, which are torch-only; use --lookup on or off")
+    if settings.tree:
+        raise FlashdraftError(f"--tree is for --engine torch ({name} verifies a chain); drop it or use --tree 0")
+
+
 def get_engine(name: str) -> type[Engine]:
     """The engine class registered under name (its module is imported now)."""
     if name not in ENGINES:

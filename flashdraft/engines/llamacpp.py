@@ -11,6 +11,7 @@ from typing import Callable
 
 from ..decoding.settings import DEFAULTS, DecodeSettings
 from ..errors import FlashdraftError
+from . import check_chain_engine
 from ..llamacpp.build import tool
 from ..llamacpp.gguf import Gguf, cached_export, resolve_ggufs
 from ..llamacpp.server import LlamaServer
@@ -101,13 +102,7 @@ class LlamaCppEngine:
     @classmethod
     def check(cls, settings: DecodeSettings, lookup_flag: str | None = None) -> None:
         """One-line errors for what only the torch engine does."""
-        settings.validate()
-        if settings.loop_stages != 1:
-            raise FlashdraftError("--loop-stages (DLoop) runs on the torch engine only; drop it or use --engine torch")
-        if lookup_flag:
-            raise FlashdraftError(f"{lookup_flag} is for --engine torch (llama.cpp drafts every cycle); drop it")
-        if settings.tree is not None:
-            raise FlashdraftError("--tree is for --engine torch (llama.cpp verifies a chain); drop it")
+        check_chain_engine(settings, lookup_flag, "llama.cpp")
         if settings.stop_token_ids is not None:
             raise FlashdraftError("--stop-token-ids is for --engine torch: llama-server stops at the model's own "
                                   "end-of-generation tokens; drop it")

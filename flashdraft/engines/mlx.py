@@ -8,6 +8,7 @@ from typing import Callable
 
 from ..decoding.settings import DEFAULTS, DecodeSettings
 from ..errors import FlashdraftError
+from . import check_chain_engine
 
 
 class MlxEngine:
@@ -26,13 +27,7 @@ class MlxEngine:
         from ..mlx import require_mlx
 
         require_mlx()
-        settings.validate()
-        if settings.loop_stages != 1:
-            raise FlashdraftError("--loop-stages (DLoop) runs on the torch engine only; drop it or use --engine torch")
-        if settings.tree:
-            raise FlashdraftError("--tree is for --engine torch (the mlx engine verifies a chain); drop it or use 0")
-        if settings.lookup == "tree":
-            raise FlashdraftError("--lookup tree grafts onto draft trees, which are torch-only; use --lookup on or off")
+        check_chain_engine(settings, lookup_flag, "MLX", lookup=True)
 
     @classmethod
     def open(cls, target, drafter: str | Path | None = None, settings: DecodeSettings | None = None, *,

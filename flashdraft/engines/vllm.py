@@ -17,6 +17,7 @@ from typing import Callable
 
 from ..decoding.settings import DecodeSettings
 from ..errors import FlashdraftError
+from . import check_chain_engine
 
 # The engine core in this process (no spawned process to import our __main__), its logs at warnings; a CPU build's
 # KV cache sized for one small model (vLLM reserves it up front). Each only where the user has not set it.
@@ -193,13 +194,7 @@ class VllmEngine:
     @classmethod
     def check(cls, settings: DecodeSettings, lookup_flag: str | None = None) -> None:
         """One-line errors for what only the torch engine does."""
-        settings.validate()
-        if settings.loop_stages != 1:
-            raise FlashdraftError("--loop-stages (DLoop) runs on the torch engine only; drop it or use --engine torch")
-        if lookup_flag:
-            raise FlashdraftError(f"{lookup_flag} is for --engine torch (vLLM drafts every cycle); drop it")
-        if settings.tree is not None:
-            raise FlashdraftError("--tree is for --engine torch (vLLM's DFlash verifies a chain); drop it")
+        check_chain_engine(settings, lookup_flag, "vLLM")
 
     @classmethod
     def open(cls, target, drafter: str | Path | None = None, settings: DecodeSettings | None = None, *,
