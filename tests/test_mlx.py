@@ -156,15 +156,18 @@ def test_mlx_dflash2_walk_equals_torch(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny8(tmp_path_factory):
-    """The chi-square test's models (test_sampling_lossless.py): vocabulary 8, a drafter whose q is far from p."""
+    """The chi-square test's models (test_sampling_lossless.py): vocabulary 8, drafters whose q is far from p (DFlash 2:
+    its walk picks among each position's top 4 of 8 tokens)."""
     from flashdraft.mlx.drafter import from_torch
     from flashdraft.mlx.target import load_mlx_target
 
     root = tmp_path_factory.mktemp("mlx8")
     target = tiny_target("llama", vocab=8, init_std=0.3, seed=3)
     target.save_pretrained(root)
-    drafter = random_drafter(target, init_std=0.3, seed=4)
-    return target, load_mlx_target(str(root), "float32"), from_torch(drafter)
+    drafters = {"dflash": random_drafter(target, init_std=0.3, seed=4),
+                "dflash2": random_drafter(target, init_std=0.3, seed=4, arch="dflash2", selector_rank=8,
+                                          selector_top_k=4)}
+    return target, load_mlx_target(str(root), "float32"), {k: from_torch(d) for k, d in drafters.items()}
 
 
 def mlx_counts(mt, md, params: SamplingParams, block_size: int, n: int, prompt, lookup=False) -> dict[tuple, int]:
@@ -178,12 +181,15 @@ def mlx_counts(mt, md, params: SamplingParams, block_size: int, n: int, prompt, 
     return counts
 
 
-@pytest.mark.parametrize("params,block_size", [(SamplingParams(1.0), 3), (SamplingParams(0.8, top_k=5, top_p=0.9), 2)])
-def test_mlx_speculative_sampling_matches_target(tiny8, params, block_size):
+@pytest.mark.parametrize("arch,params,block_size", [("dflash", SamplingParams(1.0), 3),
+                                                    ("dflash", SamplingParams(0.8, top_k=5, top_p=0.9), 2),
+                                                    ("dflash2", SamplingParams(1.0), 3)])
+def test_mlx_speculative_sampling_matches_target(tiny8, arch, params, block_size):
     from test_sampling_lossless import ALPHA, PROMPT, chi2_pvalue, exact_distribution
 
-    target, mt, md = tiny8
-    p = chi2_pvalue(mlx_counts(mt, md, params, block_size, 1500, PROMPT), exact_distribution(target, params))
+    target, mt, drafters = tiny8
+    p = chi2_pvalue(mlx_counts(mt, drafters[arch], params, block_size, 1500, PROMPT),
+                    exact_distribution(target, params))
     assert p > ALPHA, f"MLX speculative samples do not follow the target distribution (chi2 p={p:.2e})"
 
 
@@ -193,9 +199,9 @@ def test_mlx_accept_all_verifier_fails_the_same_test(tiny8, monkeypatch):
     from test_sampling_lossless import ALPHA, PROMPT, accept_all, chi2_pvalue, exact_distribution
 
     monkeypatch.setattr(D, "accept_sampling", accept_all)
-    target, mt, md = tiny8
+    target, mt, drafters = tiny8
     params = SamplingParams(1.0)
-    counts = mlx_counts(mt, md, params, 3, 1500, PROMPT)
+    counts = mlx_counts(mt, drafters["dflash"], params, 3, 1500, PROMPT)
     exact = exact_distribution(target, params)
     assert any(exact.get(k, 0) == 0 for k in counts) or chi2_pvalue(counts, exact) < ALPHA
 
