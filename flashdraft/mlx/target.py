@@ -107,10 +107,18 @@ def load_mlx_target(path: str | Path, dtype: str) -> MlxTarget:
     """The mlx-lm model in `path` (a Hugging Face directory) in `dtype`, every layer's output captured (a reference
     kept, no copy); loaded once per process and shared by plain and drafted engines."""
     path = Path(path)
+    if not (path / "config.json").is_file():
+        from huggingface_hub import snapshot_download  # a hub id: the snapshot transformers already downloaded
+
+        try:
+            path = Path(snapshot_download(str(path), local_files_only=True))
+        except Exception:
+            raise FlashdraftError(f"the mlx engine needs {path} as a local Hugging Face directory (config.json and "
+                                  "*.safetensors); download it first or pass its folder as --target") from None
     config = json.loads((path / "config.json").read_text())
     try:
         model, _ = load_model(path, model_config=rope_overrides(config))
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         raise FlashdraftError(f"mlx-lm cannot load {path}: {e}") from None
     model.set_dtype(DTYPES[dtype])
     layers = model.model.layers
