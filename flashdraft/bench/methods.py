@@ -26,7 +26,7 @@ class MethodSettings:
     decode: DecodeSettings
     drafter: object | None = None  # a loaded drafter module (dflash)
     lookup_tokens: int = 10  # prompt_lookup_num_tokens (hf-lookup)
-    engine: object | None = None  # an open llama.cpp or vLLM engine (llamacpp*, vllm*)
+    engine: object | None = None  # an open llama.cpp, vLLM or MLX engine (llamacpp*, vllm*, mlx*)
     batch: int = 1  # prompts decoded together (vllm methods)
 
     def shortened(self, max_new_tokens: int) -> MethodSettings:
@@ -178,11 +178,13 @@ METHODS: dict[str, Method] = {"ar": run_ar, "hf": run_hf, "hf-lookup": run_hf_lo
                               "llamacpp": run_llamacpp, "llamacpp-dflash": run_llamacpp,
                               "vllm": run_vllm, "vllm-dflash": run_vllm, "mlx": run_mlx, "mlx-dflash": run_mlx}
 BATCH_METHODS = {"vllm": run_vllm_batch, "vllm-dflash": run_vllm_batch}  # run a variant at a time, batch by batch
-DRAFTER_METHODS = {"dflash", "llamacpp-dflash", "vllm-dflash", "mlx-dflash"}  # swept over --drafter × --block-size (× DLoop: dflash)
+# swept over --drafter × --block-size (× DLoop: dflash)
+DRAFTER_METHODS = {"dflash", "llamacpp-dflash", "vllm-dflash", "mlx-dflash"}
 LLAMACPP_METHODS = {"llamacpp", "llamacpp-dflash"}  # swept over --gguf
 VLLM_METHODS = {"vllm", "vllm-dflash"}  # swept over --batch
 MLX_METHODS = {"mlx", "mlx-dflash"}
-PLAIN_OF = {"llamacpp-dflash": "llamacpp", "vllm-dflash": "vllm", "mlx-dflash": "mlx"}  # a drafter method's plain baseline, always run
+# a drafter method's plain baseline, always run
+PLAIN_OF = {"llamacpp-dflash": "llamacpp", "vllm-dflash": "vllm", "mlx-dflash": "mlx"}
 
 
 def parse_methods(text: str, reference: bool = True) -> list[str]:

@@ -1,5 +1,6 @@
-"""Apple's MLX: the target as an mlx-lm model from the same Hugging Face directory, the drafter ported to MLX
-(flashdraft/mlx/). Metal on Apple silicon; MLX's CPU build elsewhere (correct, not fast: it links the reference BLAS)."""
+"""Apple's MLX: the target as an mlx-lm model from the same Hugging Face directory, the drafter ported to
+MLX (flashdraft/mlx/). Metal on Apple silicon; MLX's CPU build elsewhere (correct, not fast: it links the
+reference BLAS)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""One generation on MLX: prefill, then cycles of draft → verify (one lazy graph, one evaluation) → accept → commit.
+"""One generation on MLX: prefill, then cycles of draft → verify (one lazy graph, one evaluation) → accept →
+commit.
 
 The rules are the torch engine's: acceptance is sampling.py's accept_greedy / accept_sampling, the first token and
 stops follow decoding/loop.py, records are decoding/state.py's GenerationResult. Arrays cross to the host once per

@@ -246,8 +246,8 @@ class ContextCache:
 
 def draft(drafter: MlxDrafter, cache: ContextCache, new_features: mx.array | None, block_emb: mx.array, start: int,
           head_weight: mx.array, n: int) -> tuple[mx.array, mx.array]:
-    """Committed features into the cache, one pass over block_emb [1, B, h] at start.. → (hidden [n, h], logits [n, V])
-    of the last n block positions (the head runs on n + 1 rows, as drafter.py's proposal_logits)."""
+    """Committed features into the cache, one pass over block_emb [1, B, h] at start.. → (hidden [n, h],
+    logits [n, V]) of the last n block positions (the head runs on n + 1 rows, as drafter.py's proposal_logits)."""
     if new_features is not None and new_features.shape[0]:
         cache.extend(drafter.context_kv(new_features[None].astype(block_emb.dtype), cache.length))
     if cache.length != start:
