@@ -240,6 +240,15 @@ def test_mlx_refusals_are_one_line(dirs, capsys, extra, match):
     assert len(lines) == 1 and match in lines[0], lines
 
 
+@pytest.mark.parametrize("where", ["/no/such/dir", "no-such-owner/no-such-model", "bad id!"])
+def test_target_not_local_is_refused_in_one_line(where):
+    from flashdraft.mlx.target import load_mlx_target
+
+    with pytest.raises(FlashdraftError, match="local Hugging Face directory") as e:
+        load_mlx_target(where, "float32")
+    assert "\n" not in str(e.value)
+
+
 def test_missing_mlx_is_one_line_with_the_fix(dirs, capsys, monkeypatch):
     real = builtins.__import__
 

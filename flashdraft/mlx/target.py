@@ -112,7 +112,7 @@ def load_mlx_target(path: str | Path, dtype: str) -> MlxTarget:
 
         try:
             path = Path(snapshot_download(str(path), local_files_only=True))
-        except Exception:
+        except (ValueError, OSError):  # not a valid hub id, or not in the local cache
             raise FlashdraftError(f"the mlx engine needs {path} as a local Hugging Face directory (config.json and "
                                   "*.safetensors); download it first or pass its folder as --target") from None
     config = json.loads((path / "config.json").read_text())
