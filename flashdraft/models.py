@@ -154,6 +154,7 @@ def load_target(name: str | None = None, dtype: str | torch.dtype = "float32", d
     T.use_grouped_sdpa(model)
     if packed:
         pack_linears(model)
+    T.use_lean(model)
     return Target(model, tokenizer, name)
 
 

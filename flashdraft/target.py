@@ -14,6 +14,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from . import lean, packed
 from .errors import FlashdraftError
 from .tree import node_depths
 
@@ -127,6 +128,12 @@ AttentionInterface.register(SDPA_GQA, sdpa_gqa_attention)
 ALL_MASK_ATTENTION_FUNCTIONS.register(SDPA_GQA, sdpa_mask)
 
 
+def use_lean(model: PreTrainedModel) -> bool:
+    """Route a frozen target's decode forwards through lean.py when it supports the architecture; returns whether."""
+    model.flashdraft_lean = lean.lean_model(model, pack=packed.is_packed(model))
+    return model.flashdraft_lean is not None
+
+
 def use_grouped_sdpa(model: PreTrainedModel) -> bool:
     """On CPU, switch a model that runs HF's SDPA attention to sdpa_gqa_attention; returns whether it did."""
     if model.device.type != "cpu" or model.config._attn_implementation != "sdpa":
@@ -168,6 +175,11 @@ def forward(model: PreTrainedModel, ids: torch.Tensor, start: int, cache: Dynami
     else:
         pos = torch.tensor([0] + node_depths(parents), device=ids.device)[None] + start
         extra["attention_mask"] = tree_mask(parents, start, model.dtype, ids.device)
+    lm = lean.current(model) if not torch.is_grad_enabled() else None
+    if lm is not None:
+        logits, feats = lean.forward(lm, ids[None], pos, cache, extra.get("attention_mask"), layer_ids,
+                                     logits_to_keep)
+        return TargetOutput(logits[0], feats[0] if feats is not None else ids.new_zeros(0))
     out = model(input_ids=ids[None], position_ids=pos, use_cache=True, output_hidden_states=bool(layer_ids),
                 logits_to_keep=logits_to_keep, **extra, **{cache_kwarg(model): cache})
     feats = torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], -1) if layer_ids else ids.new_zeros(0)

@@ -15,6 +15,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from . import lean
 from . import target as T
 from .tree import node_depths
 
@@ -141,6 +142,11 @@ def forward_batch(model: PreTrainedModel, blocks: list[list[int]], parents: list
     lens = cache.lens.tolist()
     ids, pos, mask = batch_inputs(blocks, parents, lens, model.dtype, model.device)
     cache.width = mask.shape[-1]
+    lm = lean.current(model) if not torch.is_grad_enabled() else None
+    if lm is not None:
+        logits, feats = lean.forward(lm, ids, pos, cache, mask, layer_ids)
+        return [T.TargetOutput(logits[i, :len(b)], feats[i, :len(b)] if feats is not None else ids.new_zeros(0))
+                for i, b in enumerate(blocks)]
     out = model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
                 output_hidden_states=bool(layer_ids), **{T.cache_kwarg(model): cache})
     feats = torch.cat([out.hidden_states[i + 1] for i in layer_ids], -1) if layer_ids else None

@@ -7,14 +7,16 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 from flashdraft.checkpoint import build_drafter
 from flashdraft.config import drafter_config_for
+from flashdraft.target import use_lean
 
 VOCAB = 96
 MASK_ID = VOCAB - 1  # a row the tiny targets never need to emit
 
 
 def tiny_target(kind: str = "llama", seed: int = 0, vocab: int = VOCAB, layers: int = 4, max_pos: int = 512,
-                init_std: float = 0.2) -> torch.nn.Module:
-    """A 4-layer random causal LM; a wide init gives peaked logits (few near-ties)."""
+                init_std: float = 0.2, lean: bool = True) -> torch.nn.Module:
+    """A 4-layer random causal LM; a wide init gives peaked logits (few near-ties). lean: decode through lean.py, as
+    load_target sets it up (False: through the Hugging Face forward)."""
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=max_pos,
@@ -28,7 +30,10 @@ def tiny_target(kind: str = "llama", seed: int = 0, vocab: int = VOCAB, layers: 
         raise ValueError(kind)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
-    return model.float().eval()
+    model = model.float().eval()
+    if lean:
+        use_lean(model)
+    return model
 
 
 def random_drafter(target: torch.nn.Module, seed: int = 1, num_layers: int = 2, block_size: int = 8,

@@ -1,0 +1,175 @@
+"""A lean forward for Llama-family targets (Llama, Qwen2, Qwen3, Mistral without a window): the decode hot path.
+
+A decode step of a small target on a CPU is a few hundred small matmuls plus glue; Hugging Face's forward adds
+mask building, output recording and per-module dispatch around them. This runs the same arithmetic straight off the
+model's own weights: q/k/v and gate/up fused into one (packed) matmul each, RoPE from the model's rotary module, the
+K/V written through the cache layer's own `update` (so GrowingLayer / RaggedLayer rollback and compaction are
+untouched), grouped-query SDPA under the caller's mask, and features taken as they pass. Every elementwise step
+repeats transformers' order of operations (RMSNorm in float32, rotate_half RoPE), so outputs equal the HF forward's
+up to the matmul blocking (tests/test_lean.py holds logits and features to float32 tolerance and greedy tokens equal).
+Targets it does not know run through Hugging Face (`lean_model` returns None).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache, PreTrainedModel
+
+from . import packed
+
+LEAN_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+@dataclass
+class LeanLayer:
+    """One decoder layer's weights: fused projections (packed on CPU where supported) and norms."""
+
+    qkv: torch.Tensor  # [(heads + 2·kv_heads)·head_dim, H]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor  # [H, heads·head_dim]
+    gate_up: torch.Tensor  # [2·I, H]
+    down: torch.Tensor  # [H, I]
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    q_norm: torch.Tensor | None  # Qwen3's per-head RMSNorm
+    k_norm: torch.Tensor | None
+
+
+@dataclass
+class LeanModel:
+    """What the lean forward needs of a target, built once at load time (weights shared, fused copies owned)."""
+
+    layers: list[LeanLayer]
+    embed: torch.nn.Module
+    rotary: torch.nn.Module
+    norm: torch.Tensor
+    head: torch.Tensor  # [V, H]
+    eps: float
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scaling: float
+    pack: bool
+    stamp: tuple  # the source weights' storage and version when the fused copies were taken
+
+
+def stamp(model: PreTrainedModel) -> tuple:
+    """Changes when any weight is replaced (`.to(dtype)`, a load) or edited in place (its version counter)."""
+    return tuple((p.data_ptr(), 0 if p.is_inference() else p._version) for p in model.parameters())
+
+
+def current(model: PreTrainedModel) -> LeanModel | None:
+    """The model's lean view (set up by target.use_lean), rebuilt if its weights changed since it was taken."""
+    lm = getattr(model, "flashdraft_lean", None)
+    if lm is not None and lm.stamp != stamp(model):
+        lm = model.flashdraft_lean = lean_model(model, lm.pack)
+    return lm
+
+
+def supported(model: PreTrainedModel) -> bool:
+    """Whether the lean forward computes exactly what this target's HF forward does."""
+    cfg = model.config.get_text_config()
+    if cfg.model_type not in LEAN_TYPES or getattr(model, "lm_head", None) is None:
+        return False
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", cfg.model_type == "mistral"):
+        return False
+    if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
+        return False
+    if getattr(cfg, "hidden_act", "silu") != "silu" or getattr(cfg, "mlp_bias", False):
+        return False
+    if cfg.model_type == "qwen2":  # q/k/v biases, which the fused projection carries
+        return True
+    return not getattr(cfg, "attention_bias", False)
+
+
+def lean_model(model: PreTrainedModel, pack: bool = False) -> LeanModel | None:
+    """The lean view of a loaded, frozen target, or None when `supported` says no; pack: oneDNN-pack the fused
+    weights where packed.supported allows (as pack_linears does for the HF modules)."""
+    if not supported(model):
+        return None
+
+    def _weight(w: torch.Tensor) -> torch.Tensor:
+        w = w.detach().contiguous()
+        return packed.pack_weight(w) if pack and packed.supported(w.device, w.dtype) else w
+
+    cfg = model.config.get_text_config()
+    layers = []
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        bias = None
+        if a.q_proj.bias is not None:
+            bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]).detach()
+        layers.append(LeanLayer(
+            qkv=_weight(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])), qkv_bias=bias,
+            o=_weight(a.o_proj.weight), gate_up=_weight(torch.cat([m.gate_proj.weight, m.up_proj.weight])),
+            down=_weight(m.down_proj.weight), input_norm=layer.input_layernorm.weight.detach(),
+            post_norm=layer.post_attention_layernorm.weight.detach(),
+            q_norm=a.q_norm.weight.detach() if hasattr(a, "q_norm") else None,
+            k_norm=a.k_norm.weight.detach() if hasattr(a, "k_norm") else None))
+    a = model.model.layers[0].self_attn
+    heads = cfg.num_attention_heads
+    return LeanModel(layers, model.model.embed_tokens, model.model.rotary_emb, model.model.norm.weight.detach(),
+                     _weight(model.lm_head.weight), cfg.rms_norm_eps, heads,
+                     getattr(cfg, "num_key_value_heads", None) or heads, a.head_dim, a.scaling, pack, stamp(model))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm, step for step (float32 statistics, weight applied last)."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb for one tensor [N, heads, W, d] with cos/sin [N, 1, W, d]."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+
+
+def forward(lm: LeanModel, ids: torch.Tensor, pos: torch.Tensor, cache: DynamicCache, mask: torch.Tensor | None,
+            layer_ids: list[int], logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """ids, pos [N, W] on top of cache (K/V appended by each cache layer's update; mask: additive
+    [N, 1, W, keys] or None for plain causal over one row) → (float32 logits [N, W or keep, V], features
+    [N, W, F] = hidden_states[i + 1] for i in layer_ids, or None)."""
+    n, w = ids.shape
+    x = lm.embed(ids)
+    cos, sin = lm.rotary(x, pos)
+    cos, sin = cos[:, None], sin[:, None]
+    hq, hk, d = lm.heads * lm.head_dim, lm.kv_heads * lm.head_dim, lm.head_dim
+    causal = mask is None and w > 1
+    last = len(lm.layers) - 1
+    feats: dict[int, torch.Tensor] = {}
+    for i, L in enumerate(lm.layers):
+        qkv = packed.linear(rms_norm(x, L.input_norm, lm.eps), L.qkv, L.qkv_bias)
+        q = qkv[..., :hq].view(n, w, lm.heads, d)
+        k = qkv[..., hq:hq + hk].view(n, w, lm.kv_heads, d)
+        v = qkv[..., hq + hk:].view(n, w, lm.kv_heads, d).transpose(1, 2)
+        if L.q_norm is not None:
+            q, k = rms_norm(q, L.q_norm, lm.eps), rms_norm(k, L.k_norm, lm.eps)
+        q, k = rotate(q.transpose(1, 2), cos, sin), rotate(k.transpose(1, 2), cos, sin)
+        keys, values = cache.layers[i].update(k, v)
+        if causal and keys.shape[-2] > w:  # a block on top of a cache: causal inside the block, all before it
+            mask = _offset_causal(w, keys.shape[-2], x.dtype, x.device)
+            causal = False
+        att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, scale=lm.scaling,
+                                             enable_gqa=lm.kv_heads != lm.heads)
+        x = x + packed.linear(att.transpose(1, 2).reshape(n, w, hq), L.o)
+        gate, up = packed.linear(rms_norm(x, L.post_norm, lm.eps), L.gate_up).chunk(2, -1)
+        x = x + packed.linear(F.silu(gate) * up, L.down)
+        if i in layer_ids:
+            feats[i] = x
+    x = rms_norm(x, lm.norm, lm.eps)
+    if last in feats:  # HF's last hidden state is the normed one
+        feats[last] = x
+    features = torch.cat([feats[j] for j in layer_ids], -1) if layer_ids else None
+    keep = x if logits_to_keep == 0 else x[:, -logits_to_keep:]
+    return packed.linear(keep, lm.head).float(), features
+
+
+def _offset_causal(w: int, keys: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive [1, 1, w, keys]: the last w keys are the block (causal), everything before is visible."""
+    see = torch.ones(w, keys, dtype=torch.bool, device=device).tril(keys - w)
+    return torch.zeros(see.shape, dtype=dtype, device=device).masked_fill(~see, torch.finfo(dtype).min)[None, None]

@@ -1,0 +1,111 @@
+"""The lean forward (flashdraft/lean.py) computes what the Hugging Face forward does, on every path that uses it."""
+
+import pytest
+import torch
+from helpers import tiny_target
+from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from flashdraft import lean
+from flashdraft import target as T
+from flashdraft.packed import pack_linears
+from flashdraft.target_batch import BatchCache, forward_batch
+
+
+def tiny_qwen2() -> torch.nn.Module:
+    """A Qwen2 target: q/k/v biases, which the fused projection must carry."""
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2)
+    model = Qwen2ForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                p.bias.normal_(0, 0.5)
+    return model
+
+
+def pair(kind: str, packed: bool) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The same weights twice: decoding through HF and through lean.py."""
+    make = tiny_qwen2 if kind == "qwen2" else lambda **kw: tiny_target(kind, **kw)
+    hf, fast = make(lean=False) if kind != "qwen2" else make(), make(lean=False) if kind != "qwen2" else make()
+    for m in (hf, fast):
+        T.use_grouped_sdpa(m)
+        if packed:
+            pack_linears(m)
+    assert T.use_lean(fast) and fast.flashdraft_lean is not None
+    return hf, fast
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2"])
+@torch.inference_mode()
+def test_single_sequence_prefill_verify_and_tree_equal_hf(kind, packed):
+    hf, fast = pair(kind, packed)
+    prompt = torch.randint(0, 90, (37,), generator=torch.Generator().manual_seed(1))
+    block = torch.tensor([5, 9, 13, 2])
+    last = T.num_layers(hf) - 1
+    for layer_ids in ([0, 2], [1, last]):  # the last layer's feature is the normed output, as in HF
+        caches = [T.new_cache(m) for m in (hf, fast)]
+        outs = [T.forward(m, prompt, 0, c, layer_ids) for m, c in zip((hf, fast), caches)]
+        outs += [T.forward(m, block, 37, c, layer_ids) for m, c in zip((hf, fast), caches)]
+        for c in caches:
+            T.rollback_to(c, 37)
+        parents = [-1, 0, -1]  # a tree: two children of the anchor, one grandchild
+        outs += [T.forward(m, block[:4], 37, c, layer_ids, parents=parents) for m, c in zip((hf, fast), caches)]
+        for a, b in zip(outs[::2], outs[1::2]):
+            torch.testing.assert_close(b.logits, a.logits, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(b.features, a.features, rtol=1e-5, atol=1e-5)
+            assert torch.equal(a.logits.argmax(-1), b.logits.argmax(-1))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@torch.inference_mode()
+def test_ragged_batch_verify_equals_hf(kind):
+    hf, fast = pair(kind, packed=True)
+    outs = []
+    for m in (hf, fast):
+        cache = BatchCache(m)
+        for n in (5, 23, 11):
+            single = T.new_cache(m)
+            T.forward(m, torch.arange(n) % 90, 0, single, [1])
+            cache.add_row(single)
+        outs.append(forward_batch(m, [[3, 4, 5, 6], [7], [8, 9, 10]], [None, None, [-1, -1]], cache, [1, 2]))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(b.logits, a.logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(b.features, a.features, rtol=1e-5, atol=1e-5)
+
+
+def test_unsupported_targets_keep_the_hf_forward():
+    torch.manual_seed(0)
+    windowed = MistralForCausalLM(MistralConfig(vocab_size=96, hidden_size=64, intermediate_size=128,
+                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                sliding_window=16)).eval()
+    assert not lean.supported(windowed)
+    assert not T.use_lean(windowed) and windowed.flashdraft_lean is None
+    assert lean.supported(tiny_target("llama", lean=False))
+
+
+@torch.inference_mode()
+def test_grad_mode_takes_the_hf_forward(monkeypatch):
+    """Training runs the target with autograd; the lean copies are frozen, so that path must not be taken."""
+    model = tiny_target("llama")
+    monkeypatch.setattr(lean, "forward", lambda *a, **k: pytest.fail("lean forward under autograd"))
+    with torch.enable_grad():
+        T.forward(model, torch.tensor([1, 2, 3]), 0, T.new_cache(model), [1])
+
+
+def test_changed_weights_are_never_served_from_stale_fused_copies():
+    """The fused copies are rebuilt when a weight is edited in place or the model changes dtype."""
+    model, ref = tiny_target("llama"), tiny_target("llama", lean=False)
+    ids = torch.tensor([1, 2, 3, 4])
+    with torch.inference_mode():
+        T.forward(model, ids, 0, T.new_cache(model), [1])  # the fused copies are taken
+    with torch.no_grad():
+        for m in (model, ref):
+            m.model.layers[1].mlp.up_proj.weight.mul_(1.5)
+    with torch.inference_mode():
+        a = T.forward(model, ids, 0, T.new_cache(model), [1])
+        b = T.forward(ref, ids, 0, T.new_cache(ref), [1])
+        torch.testing.assert_close(a.logits, b.logits, rtol=1e-5, atol=1e-5)
+        model.to(torch.bfloat16)
+        assert T.forward(model, ids, 0, T.new_cache(model), [1]).features.dtype == torch.bfloat16
