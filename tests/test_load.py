@@ -43,3 +43,49 @@ def test_summary_percentiles_and_errors():
     s = summarize(outs, 2.0)
     assert s["ok"] == 2 and s["errors"] == ["HTTP 429"] and s["tokens_per_s"] == 10.0
     assert s["latency_p50_s"] == 1.0 and s["latency_p95_s"] == 3.0 and pct([], 50) is None
+
+
+def test_a_silent_server_fails_the_request_instead_of_hanging(monkeypatch):
+    """A server that accepts the request and then never answers ends as a failed request, within the stall bound."""
+    import socket
+    import threading
+    import time
+
+    from flashdraft.bench import load
+
+    monkeypatch.setattr(load, "STALL_S", 1.0)
+    srv = socket.create_server(("127.0.0.1", 0))
+    held = []
+    threading.Thread(target=lambda: held.append(srv.accept()), daemon=True).start()
+    t0 = time.perf_counter()
+    out = load.stream_chat(f"http://127.0.0.1:{srv.getsockname()[1]}", "m", "hi", 4, timeout=600)
+    assert not out.ok and out.error in ("timeout", "TimeoutError") and time.perf_counter() - t0 < 10
+    srv.close()
+
+
+def test_vllm_modes_need_vllm_or_say_how(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"turns": [f"q{i}"]}) + "\n" for i in range(4)))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    assert main(["load", "--dataset", str(data), "--modes", "plain,vllm", "--concurrency", "1",
+                 "--out", str(tmp_path / "o")]) == 2
+    assert "make vllm" in capsys.readouterr().err
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_load_runs_vllms_server_beside_flashdraft(tmp_path):
+    """The peer in the same run: vLLM's own server (plain) driven by the same clients, its row compared. The default
+    target: vLLM's CPU attention takes no tiny head size."""
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"turns": [f"hello {i}"]}) + "\n" for i in range(2)))
+    out = tmp_path / "out"
+    assert main(["load", "--dataset", f"p={data}", "--concurrency", "1", "--modes", "plain,vllm",
+                 "--max-new-tokens", "8", "--requests-per-client", "2",
+                 "--serve-args", "--dtype float32", "--out", str(out)]) == 0
+    runs = {r["mode"]: r for r in json.loads((out / "load.json").read_text())["runs"]}
+    assert runs["vllm"]["ok"] == runs["vllm"]["requests"] == 2 and runs["vllm"]["output_tokens"] > 0
+    assert "| vllm |" in (out / "load.md").read_text() and "1.00×" in (out / "load.md").read_text()

@@ -1,7 +1,8 @@
 """`flashdraft bench load`: N concurrent streaming clients against `flashdraft serve`, per decoding mode and load.
 
-For each mode (plain batched: block size 1; fixed: every request at its block; adaptive: the default) a server is
-started on the same target, prompts and settings; for each concurrency N, N client threads send chat requests from
+For each mode (plain batched: block size 1; fixed: every request at its block; adaptive: the default; vllm and
+vllm-dflash: vLLM's own OpenAI server, plain and with the drafter, started by `flashdraft serve --engine vllm` where
+`make vllm` installed it) a server is started on the same target, prompts and settings; for each concurrency N, N client threads send chat requests from
 the dataset (each client its own slice, in order) and the run reports output tokens/s, requests/s, p50/p95 latency
 and time to first token. With --busy K, K processes spin on the CPU throughout (contention). --url drives a server
 that is already running instead (one mode, labelled by --label).
@@ -24,7 +25,9 @@ from urllib.parse import urlparse
 
 from ..errors import FlashdraftError
 
-MODES = {"plain": ["--block-size", "1"], "fixed": ["--fixed-block"], "adaptive": []}
+MODES = {"plain": ["--block-size", "1"], "fixed": ["--fixed-block"], "adaptive": [],
+         "vllm": ["--engine", "vllm", "--block-size", "1"], "vllm-dflash": ["--engine", "vllm"]}
+STALL_S = 120.0  # a server that sends nothing for this long has failed the request (no client waits forever)
 
 
 @dataclass
@@ -47,12 +50,13 @@ def pct(values: list[float], p: float) -> float | None:
 
 
 def stream_chat(url: str, model: str, prompt: str, max_tokens: int, timeout: float) -> Outcome:
-    """POST a streaming chat completion; time the first content chunk and the end; count completion tokens."""
+    """POST a streaming chat completion; time the first content chunk and the end; count completion tokens. A read
+    that waits STALL_S, or a request past `timeout`, ends it as failed."""
     u = urlparse(url)
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
                        "temperature": 0, "stream": True, "stream_options": {"include_usage": True}})
     t0 = time.perf_counter()
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=min(timeout, STALL_S))
     try:
         conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
         resp = conn.getresponse()
@@ -60,6 +64,8 @@ def stream_chat(url: str, model: str, prompt: str, max_tokens: int, timeout: flo
             return Outcome(False, error=f"HTTP {resp.status}")
         ttft, tokens = None, 0
         for raw in resp:
+            if time.perf_counter() - t0 > timeout:
+                return Outcome(False, error="timeout")
             line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -123,20 +129,50 @@ def busy(k: int) -> list[multiprocessing.Process]:
 
 
 def start_server(serve_args: list[str], mode: str, startup_s: float = 600) -> tuple[subprocess.Popen, str]:
-    """`flashdraft serve --port 0 …` for one mode; returns the process and its base URL once /health answers."""
-    cmd = [sys.executable, "-m", "flashdraft.cli", "serve", "--port", "0", *serve_args, *MODES[mode]]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    """`flashdraft serve …` for one mode; returns the process and its base URL once /health answers."""
+    port = ["--port", str(free_port())] if mode.startswith("vllm") else ["--port", "0"]
+    cmd = [sys.executable, "-m", "flashdraft.cli", "serve", *port, *serve_args, *MODES[mode]]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
     end, last = time.monotonic() + startup_s, ""
     for line in proc.stderr:
         last = line.strip() or last
-        if "serving" in line and "http://" in line:
-            url = line.split("http://", 1)[1].split("/v1")[0]
+        if ("serving" in line or "serves" in line) and "http://" in line:
+            url = "http://" + line.split("http://", 1)[1].split("/v1")[0]
             threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()  # keep the pipe drained
-            return proc, "http://" + url
+            if wait_healthy(url, proc, end):
+                return proc, url
+            break
         if time.monotonic() > end:
             break
     proc.kill()
     raise FlashdraftError(f"the {mode} server did not start ({last or 'no output'}): {' '.join(cmd)}")
+
+
+def free_port() -> int:
+    """A free loopback port (vLLM's server takes no --port 0)."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, end: float) -> bool:
+    """Poll GET /health until it answers 200 (vLLM announces its port long before it serves), the process exits or
+    the deadline passes."""
+    u = urlparse(url)
+    while time.monotonic() < end and proc.poll() is None:
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=10)
+        try:
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return True
+        except (OSError, http.client.HTTPException):
+            pass
+        finally:
+            conn.close()
+        time.sleep(1)
+    return False
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -190,16 +226,19 @@ def measure(url: str, model: str, prompts: list[str], clients: int, busy_count: 
 
 
 def table(rows: list[dict]) -> str:
-    """Markdown: one line per run, and each mode's throughput relative to plain batched at the same load."""
+    """Markdown: one line per run, and each mode's throughput relative to plain batched (and to vLLM's plain server,
+    when it ran) at the same load."""
     key = lambda r: (r["dataset"], r["busy"], r["concurrency"])  # noqa: E731
     plain = {key(r): r["tokens_per_s"] for r in rows if r["mode"] == "plain"}
-    out = ["| dataset | busy | concurrency | mode | output tok/s | vs plain | req/s | p50 latency s | p95 latency s | "
-           "p50 TTFT s | p95 TTFT s | ok |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    peer = {key(r): r["tokens_per_s"] for r in rows if r["mode"] == "vllm"}
+    out = ["| dataset | busy | concurrency | mode | output tok/s | vs plain | vs vllm | req/s | p50 latency s | "
+           "p95 latency s | p50 TTFT s | p95 TTFT s | ok |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (*key(r), r["mode"])):
-        base = plain.get(key(r))
+        base, other = plain.get(key(r)), peer.get(key(r))
         rel = f"{r['tokens_per_s'] / base:.2f}×" if base else ""
+        vs = f"{r['tokens_per_s'] / other:.2f}×" if other else ""
         f = lambda v: "" if v is None else f"{v:.2f}"  # noqa: E731
-        out.append(f"| {r['dataset']} | {r['busy']} | {r['concurrency']} | {r['mode']} | {r['tokens_per_s']:.1f} | {rel} | "
+        out.append(f"| {r['dataset']} | {r['busy']} | {r['concurrency']} | {r['mode']} | {r['tokens_per_s']:.1f} | {rel} | {vs} | "
                    f"{r['requests_per_s']:.3f} | {f(r['latency_p50_s'])} | {f(r['latency_p95_s'])} | "
                    f"{f(r['ttft_p50_s'])} | {f(r['ttft_p95_s'])} | {r['ok']}/{r['requests']} |")
     return "\n".join(out) + "\n"

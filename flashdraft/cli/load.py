@@ -3,6 +3,7 @@ idle and under contention, on the same prompts (flashdraft/bench/load.py)."""
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -19,7 +20,9 @@ def add_load(sub) -> None:
     p.add_argument("--dataset", action="append", required=True,
                    help="JSONL of {\"turns\": [...]} records, or NAME=PATH (repeatable)")
     p.add_argument("--concurrency", default="1,2,4,8", help="clients, comma-separated (default 1,2,4,8)")
-    p.add_argument("--modes", default="plain,fixed,adaptive", help="comma-separated from plain, fixed, adaptive")
+    p.add_argument("--modes", default="plain,fixed,adaptive",
+                   help="comma-separated from plain, fixed, adaptive, vllm (vLLM's server, plain) and vllm-dflash "
+                        "(vLLM's server with the drafter); the vllm modes need `make vllm`")
     p.add_argument("--busy", default="0", help="busy background processes, comma-separated, e.g. 0,2 (default 0)")
     p.add_argument("--requests-per-client", type=int, default=2, help="requests each client sends (default 2)")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -41,6 +44,8 @@ def cmd_load(args) -> int:
     modes = parse_list(args.modes, "--modes", str)
     if any(m not in MODES for m in modes):
         raise FlashdraftError(f"--modes takes {', '.join(MODES)}; got {args.modes!r}")
+    if any(m.startswith("vllm") for m in modes) and not args.url and importlib.util.find_spec("vllm") is None:
+        raise FlashdraftError("--modes vllm/vllm-dflash need vLLM, which is not installed: run `make vllm`")
     if min(concurrency) < 1 or min(busy) < 0 or args.requests_per_client < 1 or args.max_new_tokens < 1:
         raise FlashdraftError("--concurrency, --requests-per-client and --max-new-tokens must be >= 1, --busy >= 0")
     datasets = {}
