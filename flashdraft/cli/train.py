@@ -37,13 +37,31 @@ def set_threads(n: int | None) -> None:
 def add_prepare(sub) -> None:
     p = sub.add_parser("prepare", help="generate drafter training data with the target itself",
                        description="Apply the target's chat template to prompts, let the target answer them and store "
-                                   "token ids + response loss masks in resumable shards (see flashdraft/train/data.py).")
-    p.add_argument("out", help="output directory (re-running with the same settings resumes)")
-    p.add_argument("--prompts", action="append", default=[], metavar="FILE.jsonl",
-                   help='JSONL with {"turns": [str, ...]} records (first turn used); repeat to mix files round-robin')
+                                   "token ids + response loss masks in resumable shards (flashdraft/train/data.py), or "
+                                   "append them to a token store (--store, docs/data.md).")
+    p.add_argument("out", help="output directory (re-running with the same settings resumes), or a token store")
+    p.add_argument("--store", action="store_true",
+                   help="OUT is a token store (e.g. data/tokens): compressed ids + manifest, appended to and resumed "
+                        "prompt by prompt; implied when OUT already is one")
+    p.add_argument("--store-cap-mib", type=float, default=64.0,  # train/store.py CAP_MIB
+                   help="refuse to grow the token store beyond this many MiB (default 64: the repository keeps it)")
+    p.add_argument("--prompts", action="append", default=[], metavar="[NAME=]FILE.jsonl",
+                   help='JSONL with {"turns": [str, ...]} records (first turn used); repeat to mix files round-robin; '
+                        "NAME (default: the file's stem) is the source's name in a token store")
     p.add_argument("--dataset", help="a Hugging Face datasets name instead of / besides --prompts (needs flashdraft[data])")
     p.add_argument("--dataset-split", default="train")
     p.add_argument("--dataset-config", default=None)
+    p.add_argument("--source", action="append", default=[], metavar="sharegpt[=FILE.json]",
+                   help="a built-in source: sharegpt = ShareGPT V3 (needs flashdraft[sharegpt], or a FILE of that "
+                        "format): every user turn of conversations that open with one, later turns with the "
+                        "conversation before them (earlier answers from the data)")
+    p.add_argument("--max-turns", type=int, default=0, metavar="N",
+                   help="--source sharegpt: at most the first N user turns per conversation (default 0: all)")
+    p.add_argument("--exclude", action="extend", nargs="+", default=[], metavar="FILE.jsonl",
+                   help="drop prompts any user turn of which equals a text of these JSONL files (evaluation sets), "
+                        "compared lowercased, without punctuation, whitespace collapsed")
+    p.add_argument("--max-prompt-tokens", type=int,
+                   help="drop prompts longer than this (default: what fits the target's context with --max-new-tokens)")
     p.add_argument("--max-samples", type=int, help="use at most this many prompts (after mixing)")
     p.add_argument("--target", help="registered name, local HF model dir or hub id (default: smollm2-135m-instruct)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -65,7 +83,8 @@ def add_prepare(sub) -> None:
                    help="hold out this %% of prompts (chosen by hash, stable across runs) as OUT/dev.jsonl: never "
                         "generated or trained on, used by `train --dev-prompts` to select checkpoints by real τ")
     p.add_argument("--part", default="0/1", metavar="I/N",
-                   help="make only shards with index %% N == I, so N processes can fill one directory together")
+                   help="make only shards with index %% N == I (token store: prompts whose key is I mod N), so N "
+                        "processes can fill one directory or store together")
     p.add_argument("--topk", type=int, default=0, metavar="K",
                    help="also store the target's K most likely tokens and log-probs per response token (distillation)")
     p.add_argument("--threads", type=int, help="torch CPU threads (1 is fastest on a shared, busy machine)")
@@ -76,8 +95,17 @@ def check_prepare_args(args) -> tuple[list[int] | None, tuple[int, int]]:
     """The flags' ranges, before any file is read; returns (--feature-layer-ids, --part)."""
     from ..train.data import check_prepare_settings
 
-    if not args.prompts and not args.dataset:
-        raise FlashdraftError("give prompts: --prompts FILE.jsonl (repeatable) or --dataset NAME")
+    if not args.prompts and not args.dataset and not args.source:
+        raise FlashdraftError("give prompts: --prompts FILE.jsonl (repeatable), --dataset NAME or --source sharegpt")
+    if args.max_turns < 0:
+        raise FlashdraftError(f"--max-turns must be >= 0 (0 = all), got {args.max_turns}")
+    if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
+        raise FlashdraftError(f"--max-prompt-tokens must be >= 1, got {args.max_prompt_tokens}")
+    if not args.store_cap_mib > 0:
+        raise FlashdraftError(f"--store-cap-mib must be > 0, got {args.store_cap_mib}")
+    if args.store and (args.features or args.topk):
+        raise FlashdraftError("a token store keeps ids only (features and top-k are recomputed when training); "
+                              "drop --features/--topk or prepare a directory without --store")
     if args.max_samples is not None and args.max_samples < 1:
         raise FlashdraftError(f"--max-samples must be >= 1, got {args.max_samples}")
     layer_ids = parse_int_list(args.feature_layer_ids, "--feature-layer-ids")
@@ -97,35 +125,113 @@ def check_prepare_args(args) -> tuple[list[int] | None, tuple[int, int]]:
 
 
 def cmd_prepare(args) -> int:
-    import torch
+    from pathlib import Path
 
-    from ..config import default_target_layer_ids
-    from ..models import load_target
-    from ..train.data import human_bytes, interleave, prepare, read_dataset_prompts, read_jsonl_prompts, split_dev
+    from ..train.store import is_store
 
     set_threads(args.threads)
+    args.store = args.store or is_store(args.out)
     layer_ids, part = check_prepare_args(args)
-    lists = [read_jsonl_prompts(f) for f in args.prompts]
-    sources = list(args.prompts)
+    if args.store and (Path(args.out) / "meta.json").is_file():
+        raise FlashdraftError(f"{args.out} is a prepared data directory, not a token store; give --store a new path")
+    sources = read_sources(args)
+    return prepare_store_cmd(args, sources, part) if args.store else prepare_dir_cmd(args, sources, layer_ids, part)
+
+
+def named_file(spec: str) -> tuple[str, str]:
+    """--prompts [NAME=]FILE → (NAME or the file's stem, FILE)."""
+    from pathlib import Path
+
+    name, eq, file = spec.partition("=")
+    if not eq or Path(spec).exists() or "/" in name:
+        return Path(spec).stem, spec
+    return name, file
+
+
+def read_sources(args) -> list[tuple[str, list[tuple[int, object]]]]:
+    """Every prompt source as (name, [(position in the source, prompt)]), evaluation texts (--exclude) dropped."""
+    from ..train.data import read_dataset_prompts, read_jsonl_prompts
+    from ..train.prompts import excluded, read_exclude, read_source
+
+    out = [(name, read_jsonl_prompts(file)) for name, file in map(named_file, args.prompts)]
     if args.dataset:
-        lists.append(read_dataset_prompts(args.dataset, args.dataset_split, args.dataset_config))
-        sources.append(f"datasets:{args.dataset}:{args.dataset_split}")
-    prompts, dev = split_dev(interleave(lists), args.dev_percent)
-    prompts = prompts[: args.max_samples]
+        out.append((f"{args.dataset}-{args.dataset_split}".replace("/", "-"),
+                    read_dataset_prompts(args.dataset, args.dataset_split, args.dataset_config)))
+    for spec in args.source:
+        name, prompts, line = read_source(spec, args.max_turns)
+        print(f"flashdraft: {line}", file=sys.stderr)
+        out.append((name, prompts))
+    texts = read_exclude(args.exclude) if args.exclude else set()
+    kept = [(name, [(i, p) for i, p in enumerate(prompts) if not (texts and excluded(p, texts))])
+            for name, prompts in out]
+    if args.exclude:
+        dropped = {name: len(prompts) - len(k) for (name, prompts), (_, k) in zip(out, kept)}
+        print(f"flashdraft: --exclude: {len(texts)} texts of {len(args.exclude)} file(s); dropped "
+              + ", ".join(f"{n} {name}" for name, n in dropped.items()) + " prompts", file=sys.stderr)
+    return kept
+
+
+def load_prepare_target(args):
+    import torch
+
+    from ..models import load_target
+
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    target = load_target(args.target, dtype=args.dtype, device=device)
+    return load_target(args.target, dtype=args.dtype, device=device)
+
+
+def prepare_dir_cmd(args, sources, layer_ids, part) -> int:
+    """prepare OUT: a prepared data directory (flashdraft-data-v1)."""
+    from .. import target as T
+    from ..config import default_target_layer_ids
+    from ..train.data import human_bytes, interleave, prepare, split_dev
+    from ..train.prompts import encode_prompt
+
+    prompts, dev = split_dev(interleave([[p for _, p in items] for _, items in sources]), args.dev_percent)
+    target = load_prepare_target(args)
+    limit = T.context_limit(target.model) - args.max_new_tokens
+    limit = min(limit, args.max_prompt_tokens) if args.max_prompt_tokens else limit
+    kept, dropped = [], 0
+    for p in prompts:  # tokenized one by one: only as many as --max-samples needs
+        if args.max_samples is not None and len(kept) >= args.max_samples:
+            break
+        if len(encode_prompt(target, p, not args.no_chat)) <= limit:
+            kept.append(p)
+        else:
+            dropped += 1
     if args.features and layer_ids is None:
         layer_ids = default_target_layer_ids(target.model.config.get_text_config().num_hidden_layers, args.num_layers)
-    print(f"flashdraft: {len(prompts)} prompts from {len(sources)} source(s) → {args.out}"
-          f"{f' ({len(dev)} held out in dev.jsonl)' if dev else ''}", file=sys.stderr)
-    s = prepare(target, prompts, args.out, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+    print(f"flashdraft: {len(kept)} prompts from {len(sources)} source(s) → {args.out}"
+          f"{f' ({len(dev)} held out in dev.jsonl)' if dev else ''}"
+          f"{f'; dropped {dropped} longer than {limit} prompt tokens' if dropped else ''}", file=sys.stderr)
+    names = [*args.prompts, *([f"datasets:{args.dataset}:{args.dataset_split}"] if args.dataset else []), *args.source]
+    s = prepare(target, kept, args.out, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                 batch_size=args.batch_size, shard_size=args.shard_size, seed=args.seed,
-                feature_layer_ids=layer_ids if args.features else None, chat=not args.no_chat, sources=sources,
+                feature_layer_ids=layer_ids if args.features else None, chat=not args.no_chat, sources=names,
                 topk=args.topk, batching=args.batching, part=part, dev=dev)
     rate = (f", {s['tokens_per_s']:.1f} generated tok/s over {s['seconds']:.0f} s this run"
             if s["generated_tokens_this_run"] else "")
     print(f"flashdraft: {s['sequences']} sequences ({s['unfinished']} cut at --max-new-tokens), {s['tokens']} tokens "
           f"({s['response_tokens']} response), {human_bytes(s['disk_bytes'])} on disk{rate}", file=sys.stderr)
+    return 0
+
+
+def prepare_store_cmd(args, sources, part) -> int:
+    """prepare STORE --store: append the answers of prompts not yet in the token store."""
+    from pathlib import Path
+
+    from ..train.data import in_dev_split
+    from ..train.store import Source, check_sources, describe, prepare_store
+
+    srcs = [Source(name, [(i, p) for i, p in items if not in_dev_split(p, args.dev_percent)],
+                   [p for _, p in items if in_dev_split(p, args.dev_percent)]) for name, items in sources]
+    check_sources(srcs)  # before the target loads
+    target = load_prepare_target(args)
+    s = prepare_store(target, srcs, args.out, max_samples=args.max_samples, max_prompt_tokens=args.max_prompt_tokens,
+                      max_new_tokens=args.max_new_tokens, temperature=args.temperature, batch_size=args.batch_size,
+                      shard_size=args.shard_size, seed=args.seed, chat=not args.no_chat, batching=args.batching,
+                      part=part, cap_mib=args.store_cap_mib)
+    print(f"flashdraft: {describe(s, Path(args.out), args.store_cap_mib)}", file=sys.stderr)
     return 0
 
 
@@ -139,8 +245,10 @@ def add_train(sub) -> None:
                        description="Train a block-diffusion drafter against a frozen target (docs/design.md §4). "
                                    "Multi-GPU / multi-process: torchrun --nproc_per_node=N -m flashdraft.cli train ...")
     p.add_argument("--data", required=True, action="append", metavar="DIR",
-                   help="directory written by flashdraft prepare (repeatable: train on several together; dev τ uses "
-                        "their dev.jsonl files interleaved unless --dev-prompts)")
+                   help="directory written by flashdraft prepare, or a token store such as data/tokens (repeatable: "
+                        "train on several together; dev τ uses their dev prompts interleaved unless --dev-prompts)")
+    p.add_argument("--data-source", action="append", metavar="NAME",
+                   help="token stores: train on this source's shards only (repeatable; default: all sources)")
     p.add_argument("--out", required=True, help="checkpoint directory (step_N/ are z-lab drafters, usable as --drafter)")
     p.add_argument("--target", help="registered name, local HF model dir or hub id (default: smollm2-135m-instruct)")
     p.add_argument("--init-from", help="start from this drafter directory instead of random weights")
@@ -268,13 +376,13 @@ def cmd_draft_vocab(args) -> int:
     from ..atomic import write_text
     from ..checkpoint import DRAFT_VOCAB, draft_vocab_json
     from ..config import load_config
-    from ..train.data import load_all
     from ..train.batches import frequent_tokens
+    from ..train.store import load_data
 
     if args.size < 1:
         raise FlashdraftError(f"--size must be >= 1, got {args.size}")
     drafter_config = load_config(Path(args.drafter))
-    ids = frequent_tokens(load_all(args.data), args.size, drafter_config.vocab_size)
+    ids = frequent_tokens(load_data(args.data), args.size, drafter_config.vocab_size)
     if int(ids.max()) >= drafter_config.vocab_size:
         raise FlashdraftError(f"{' + '.join(args.data)} holds token ids beyond the drafter's vocabulary; "
                               "it was made for another target")

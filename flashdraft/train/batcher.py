@@ -19,6 +19,8 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from ..target import cache_kwarg
 
+PREFILL_TOKENS = 8192  # padded prompt tokens per prefill forward: long prompts are not padded up together with many
+
 
 class SlotLayer(DynamicLayer):
     """A cache layer over a preallocated [R, H, W, D] buffer; a forward sees rows [:n] and columns [lo:hi]."""
@@ -233,7 +235,8 @@ class Batcher:
             free = self.rows - len(self.live)
             if queue and (free >= admit_at or not self.live):
                 take = [queue.pop() for _ in range(min(free, len(queue)))]
-                self.admit([Row(i, len(prompts[i]), list(prompts[i])) for i in take])
+                for group in prefill_groups([len(prompts[i]) for i in take]):
+                    self.admit([Row(take[k], len(prompts[take[k]]), list(prompts[take[k]])) for k in group])
             else:
                 self.step()
             # A done row leaves once it has been fed its last token (features for every position), or at once
@@ -243,3 +246,19 @@ class Batcher:
                 if r.done and (not self.layer_ids or r.fed == len(r.ids)):
                     self.drop(i)
                     yield self.answer(r)
+
+
+def prefill_groups(lengths: list[int], budget: int | None = None) -> list[list[int]]:
+    """Consecutive runs of prompts whose left-padded prefill stays within `budget` (PREFILL_TOKENS) tokens, one prompt
+    at least: admitted prompts come shortest first, so a few long ones no longer pad dozens of short ones."""
+    budget = budget or PREFILL_TOKENS
+    groups: list[list[int]] = []
+    top = 0
+    for k, n in enumerate(lengths):
+        if groups and (len(groups[-1]) + 1) * max(top, n) <= budget:
+            groups[-1].append(k)
+            top = max(top, n)
+        else:
+            groups.append([k])
+            top = n
+    return groups

@@ -15,7 +15,7 @@ import torch
 from ..config import DrafterConfig
 from ..errors import FlashdraftError
 from .config import TrainConfig
-from .data import Sequence, data_dirs, load_all, read_meta
+from .data import Sequence, data_dirs, read_meta
 from .loss import loss_vocabulary, position_weights
 from .mask import block_labels, eligible_anchors, sample_anchors, stage_len
 
@@ -66,8 +66,12 @@ def frequent_tokens(seqs: list[Sequence], n: int, vocab: int) -> torch.Tensor:
 
 def check_feature_layers(cfg: TrainConfig, drafter_config: DrafterConfig) -> None:
     """Offline training needs features stored for exactly the drafter's target layers."""
+    from .store import is_store
+
     want = list(drafter_config.target_layer_ids)
     for d in data_dirs(cfg.data) if cfg.offline else []:
+        if is_store(d):
+            continue  # load_data says why a store cannot be trained on offline
         stored = read_meta(d).get("feature_layer_ids")
         if stored != want:
             raise FlashdraftError(f"{d} stores features of target layers {stored} but the drafter needs {want}; "
@@ -75,12 +79,17 @@ def check_feature_layers(cfg: TrainConfig, drafter_config: DrafterConfig) -> Non
                                   "or train online")
 
 
-def prepare_sequences(cfg: TrainConfig, drafter_config: DrafterConfig,
-                      vocab: int) -> tuple[list[Sequence], list[Sequence]]:
-    """Load the data, keep sequences with at least one whole supervised block, split off the held-out set."""
+def prepare_sequences(cfg: TrainConfig, drafter_config: DrafterConfig, vocab: int,
+                      target_model=None) -> tuple[list[Sequence], list[Sequence]]:
+    """Load the data, keep sequences with at least one whole supervised block, split off the held-out set; token
+    stores give the shards the target (when given) generated."""
+    from .store import is_store, load_data, target_sha256
+
     where = " + ".join(data_dirs(cfg.data))
     check_feature_layers(cfg, drafter_config)
-    seqs = load_all(cfg.data, features=cfg.offline, topk=cfg.distill_weight > 0)
+    stores = target_model is not None and any(is_store(d) for d in data_dirs(cfg.data))
+    seqs = load_data(cfg.data, features=cfg.offline, topk=cfg.distill_weight > 0, sources=cfg.data_source,
+                     target_sha=target_sha256(target_model) if stores else None)
     top = max(int(s.input_ids.max()) for s in seqs)
     if top >= vocab:
         raise FlashdraftError(f"{where} has token id {top} outside the target vocabulary 0..{vocab - 1}; "
@@ -110,9 +119,9 @@ class TrainData:
         return len(self.train) + len(self.held_out)
 
 
-def training_data(cfg: TrainConfig, drafter_config: DrafterConfig, vocab: int) -> TrainData:
+def training_data(cfg: TrainConfig, drafter_config: DrafterConfig, vocab: int, target_model=None) -> TrainData:
     """The usable sequences of --data, split, with the loss weights and the --loss-vocab base ids."""
-    train, held_out = prepare_sequences(cfg, drafter_config, vocab)
+    train, held_out = prepare_sequences(cfg, drafter_config, vocab, target_model)
     frequent = None
     if cfg.loss_vocab:  # + the mask token: its own logit starts high (the block input) and must be pushed down
         frequent = torch.cat([frequent_tokens(train, cfg.loss_vocab, vocab),

@@ -25,9 +25,9 @@ from .config import TrainConfig
 RESUME_KEYS = ("data", "num_layers", "block_size", "mask_token_id", "steps", "batch_size", "lr", "min_lr_ratio",
                "warmup_steps", "weight_decay", "anchors", "gamma", "kl_weight", "seed", "offline", "eval_sequences",
                "loss_vocab", "target_init", "arch", "selector_rank", "selector_top_k", "selector_weight", "loop_stages",
-               "distill_weight", "selector_gold")
+               "distill_weight", "selector_gold", "data_source")
 # ... of which --extend lets these change: the data may have grown and the run may be made longer
-EXTEND_KEYS = ("data", "steps", "warmup_steps")
+EXTEND_KEYS = ("data", "steps", "warmup_steps", "data_source")
 
 
 def step_dir(out: Path, step: int) -> Path:

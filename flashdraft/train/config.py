@@ -13,7 +13,7 @@ from ..errors import FlashdraftError
 class TrainConfig:
     """Everything a training run depends on (CLI flags map 1:1)."""
 
-    data: str | list[str]  # one prepared directory, or several trained on together
+    data: str | list[str]  # one prepared directory or token store, or several trained on together
     out: str
     target: str | None = None
     init_from: str | None = None
@@ -60,6 +60,7 @@ class TrainConfig:
     dev_every: int | None = None  # steps between dev evaluations (default: --save-every); 0 = never
     time_limit: float | None = None  # minutes: stop with a checkpoint once this run has trained this long
     draft_vocab: int = 0  # >0: checkpoints propose only the N most frequent response tokens (draft_vocab.json)
+    data_source: list[str] | None = None  # token stores: train on these sources only (None: all)
 
 
 def flag(name: str) -> str:

@@ -24,6 +24,8 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
+
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
@@ -32,9 +34,9 @@ from .. import target as T
 from ..atomic import atomic_dir, write_text
 from ..errors import FlashdraftError
 from ..jsonl import read_records
+from .prompts import PROMPT_KEYS, Prompt, encode_prompt, first_turn
 
 FORMAT = "flashdraft-data-v1"
-PROMPT_KEYS = ("prompt", "instruction", "question", "input", "text")
 
 
 @dataclass
@@ -93,24 +95,30 @@ def read_dataset_prompts(name: str, split: str = "train", config: str | None = N
     return [p for i, rec in enumerate(ds) if (p := prompt_of(rec, f"{name}[{i}]")).strip()]
 
 
-def in_dev_split(prompt: str, percent: float) -> bool:
-    """A fixed, order-independent hold-out: the prompt's hash decides, so adding sources never moves a prompt."""
-    return int(hashlib.sha256(prompt.encode()).hexdigest()[:8], 16) % 10_000 < percent * 100
+def in_dev_split(prompt: Prompt, percent: float) -> bool:
+    """A fixed, order-independent hold-out: the hash of the first turn decides, so adding sources never moves a
+    prompt and every context of one conversation falls on the same side."""
+    return int(hashlib.sha256(first_turn(prompt).encode()).hexdigest()[:8], 16) % 10_000 < percent * 100
 
 
-def split_dev(prompts: list[str], percent: float) -> tuple[list[str], list[str]]:
+def split_dev(prompts: list[Prompt], percent: float) -> tuple[list[Prompt], list[Prompt]]:
     """(training prompts, dev prompts): the dev split is never generated or trained on; it is for measuring τ."""
     held = [in_dev_split(p, percent) for p in prompts]
     return [p for p, h in zip(prompts, held) if not h], [p for p, h in zip(prompts, held) if h]
 
 
-def write_dev(out_dir: str | Path, dev: list[str]) -> None:
-    """OUT/dev.jsonl: the held-out prompts as {"turns": [prompt]} records."""
-    write_text(Path(out_dir) / "dev.jsonl", "".join(json.dumps({"id": f"dev-{i}", "turns": [p]}) + "\n"
-                                                   for i, p in enumerate(dev)))
+def dev_jsonl(dev: list[Prompt]) -> str:
+    """Held-out prompts as {"turns": [first turn]} lines (dev τ decodes first turns), each first turn once."""
+    firsts = list(dict.fromkeys(first_turn(p) for p in dev))
+    return "".join(json.dumps({"id": f"dev-{i}", "turns": [p]}) + "\n" for i, p in enumerate(firsts))
 
 
-def interleave(lists: list[list[str]]) -> list[str]:
+def write_dev(out_dir: str | Path, dev: list[Prompt]) -> None:
+    """OUT/dev.jsonl: the held-out prompts."""
+    write_text(Path(out_dir) / "dev.jsonl", dev_jsonl(dev))
+
+
+def interleave(lists: list[list]) -> list:
     """Round-robin merge so every prefix mixes all sources."""
     out, n = [], max((len(x) for x in lists), default=0)
     for i in range(n):
@@ -248,11 +256,11 @@ def shard_dir(out: Path, i: int) -> Path:
     return out / f"shard_{i:05d}"
 
 
-def prompts_hash(prompts: list[str]) -> str:
+def prompts_hash(prompts: list[Prompt]) -> str:
     return hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
 
 
-def shard_done(path: Path, prompts: list[str]) -> bool:
+def shard_done(path: Path, prompts: list[Prompt]) -> bool:
     """A finished shard made from exactly these prompts (older shards without a hash: same count)."""
     file = path / "tokens.safetensors"
     if not file.is_file():
@@ -266,7 +274,7 @@ def shard_done(path: Path, prompts: list[str]) -> bool:
     return stored == prompts_hash(prompts) if stored else count == len(prompts)
 
 
-def write_shard(path: Path, seqs: list[Sequence], prompts: list[str] | None = None) -> None:
+def write_shard(path: Path, seqs: list[Sequence], prompts: list[Prompt] | None = None) -> None:
     """Write one shard directory atomically (tokens, and features when every sequence has them)."""
     lens = torch.tensor([0] + [len(s.input_ids) for s in seqs], dtype=torch.int64)
     tokens = {"input_ids": torch.cat([s.input_ids for s in seqs]).to(torch.int32),
@@ -336,15 +344,20 @@ def data_dirs(data: str | list[str]) -> list[str]:
     return [data] if isinstance(data, str) else list(data)
 
 
-def load_all(data: str | list[str], features: bool = False, topk: bool = False) -> list[Sequence]:
-    """load_sequences over several prepared directories, in order; they must come from the same target and layers."""
-    dirs = data_dirs(data)
+def check_alike(dirs: list[str], features: bool = False) -> None:
+    """Prepared directories trained on together must come from the same target (and feature layers)."""
     metas = [read_meta(d) for d in dirs]
     for d, m in zip(dirs[1:], metas[1:]):
         for key in ("target", "feature_layer_ids") if features else ("target",):
             if m.get(key) != metas[0].get(key):
                 raise FlashdraftError(f"--data {d} has {key} {m.get(key)!r} but {dirs[0]} has {metas[0].get(key)!r}; "
                                       "train on directories prepared alike")
+
+
+def load_all(data: str | list[str], features: bool = False, topk: bool = False) -> list[Sequence]:
+    """load_sequences over several prepared directories, in order; they must come from the same target and layers."""
+    dirs = data_dirs(data)
+    check_alike(dirs, features)
     return [s for d in dirs for s in load_sequences(d, features, topk)]
 
 
@@ -360,7 +373,7 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} GB"
 
 
-def prepare(target, prompts: list[str], out_dir: str | Path, *, max_new_tokens: int = 256, temperature: float = 0.0,
+def prepare(target, prompts: list[Prompt], out_dir: str | Path, *, max_new_tokens: int = 256, temperature: float = 0.0,
             batch_size: int = 16, shard_size: int = 256, seed: int = 0, feature_layer_ids: list[int] | None = None,
             chat: bool = True, sources: list[str] | None = None, progress: bool = True, topk: int = 0,
             batching: str = "continuous", part: tuple[int, int] = (0, 1),
@@ -449,44 +462,58 @@ def check_context(model, enc: list[list[int]], index: list[int], max_new_tokens:
                                   "--max-new-tokens")
 
 
-def fill_shards(target, out: Path, chunks: dict[int, list[str]], todo: list[int], *, shard_size: int, batching: str,
-                rows: int, max_new_tokens: int, temperature: float, seed: int, chat: bool,
+def fill_shards(target, out: Path, chunks: dict[int, list[Prompt]], todo: list[int], *, shard_size: int,
+                batching: str, rows: int, max_new_tokens: int, temperature: float, seed: int, chat: bool,
                 layer_ids: list[int] | None, topk: int, progress: bool) -> int:
     """Answer the prompts of the shards in `todo` and write each shard as it completes; returns new tokens."""
     from tqdm import tqdm
 
-    stop_ids = target.stop_token_ids()
-    pad_id = target.tokenizer.pad_token_id
-    pad_id = pad_id if pad_id is not None else (stop_ids[0] if stop_ids else 0)
-    # One stream over every shard still to do, each shard's prompts shortest first: rows of the next shard start
-    # while the last long answers of the previous one finish, so the batch never drains between shards.
-    enc = [target.encode(p, chat=chat) for i in todo for p in chunks[i]]
-    where = [(i, j) for i in todo for j in range(len(chunks[i]))]
-    check_context(target.model, enc, [i * shard_size + j for i, j in where], max_new_tokens)
+    enc = [[encode_prompt(target, p, chat) for p in chunks[i]] for i in todo]
+    check_context(target.model, [e for c in enc for e in c],
+                  [i * shard_size + j for i in todo for j in range(len(chunks[i]))], max_new_tokens)
     mine = sum(map(len, chunks.values()))
-    bar = tqdm(total=mine, initial=mine - sum(len(chunks[i]) for i in todo), unit="seq", disable=not progress,
-               dynamic_ncols=True, desc="prepare", smoothing=0.05)
-    new_tokens, t0 = 0, time.perf_counter()
-    order = sorted(range(len(enc)), key=lambda k: (where[k][0], len(enc[k])))
-    seqs: dict[int, list[Sequence | None]] = {i: [None] * len(chunks[i]) for i in todo}
-    left = {i: len(chunks[i]) for i in todo}
-    answer = answer_static if batching == "static" else answer_continuous
-    for a in answer(target.model, enc, order, rows=rows, max_new_tokens=max_new_tokens, temperature=temperature,
-                    stop_ids=stop_ids, pad_id=pad_id, seed=seed * 1_000_003, layer_ids=layer_ids, topk=topk):
-        i, j = where[a.index]
-        seqs[i][j] = sequence_of(a)
-        left[i] -= 1
-        if not left[i]:
-            write_shard(shard_dir(out, i), seqs.pop(i), chunks[i])  # type: ignore[arg-type]
-        new_tokens += len(a.ids) - a.prompt_len
-        bar.update(1)
-        bar.set_postfix_str(f"{new_tokens / (time.perf_counter() - t0):.0f} tok/s, "
-                            f"{sum(1 for v in left.values() if not v)}/{len(todo)} shards of this run")
+    bar = tqdm(total=mine, initial=mine - sum(map(len, enc)), unit="seq", disable=not progress, dynamic_ncols=True,
+               desc="prepare", smoothing=0.05)
+    new_tokens = 0
+    for k, seqs in answer_chunks(target, enc, batching=batching, rows=rows, max_new_tokens=max_new_tokens,
+                                 temperature=temperature, seed=seed, layer_ids=layer_ids, topk=topk, bar=bar):
+        write_shard(shard_dir(out, todo[k]), seqs, chunks[todo[k]])
+        new_tokens += sum(int(s.loss_mask.sum()) for s in seqs)
     bar.close()
     return new_tokens
 
 
-def add_features(model, out: Path, shards: list[int], prompts: list[str], shard_size: int, layer_ids: list[int],
+def answer_chunks(target, enc: list[list[list[int]]], *, batching: str, rows: int, max_new_tokens: int,
+                  temperature: float, seed: int, layer_ids: list[int] | None, topk: int,
+                  bar) -> Iterator[tuple[int, list[Sequence]]]:
+    """(chunk position, its sequences) as each chunk of encoded prompts is answered; one stream over all chunks."""
+    stop_ids = target.stop_token_ids()
+    pad_id = target.tokenizer.pad_token_id
+    pad_id = pad_id if pad_id is not None else (stop_ids[0] if stop_ids else 0)
+    # One stream over every chunk, each chunk's prompts shortest first: rows of the next chunk start while the last
+    # long answers of the previous one finish, so the batch never drains between shards.
+    flat = [e for c in enc for e in c]
+    where = [(i, j) for i, c in enumerate(enc) for j in range(len(c))]
+    order = sorted(range(len(flat)), key=lambda k: (where[k][0], len(flat[k])))
+    seqs: dict[int, list[Sequence | None]] = {i: [None] * len(c) for i, c in enumerate(enc)}
+    left = {i: len(c) for i, c in enumerate(enc)}
+    new_tokens, done, t0 = 0, 0, time.perf_counter()
+    answer = answer_static if batching == "static" else answer_continuous
+    for a in answer(target.model, flat, order, rows=rows, max_new_tokens=max_new_tokens, temperature=temperature,
+                    stop_ids=stop_ids, pad_id=pad_id, seed=seed * 1_000_003, layer_ids=layer_ids, topk=topk):
+        i, j = where[a.index]
+        seqs[i][j] = sequence_of(a)
+        left[i] -= 1
+        new_tokens += len(a.ids) - a.prompt_len
+        bar.update(1)
+        bar.set_postfix_str(f"{new_tokens / (time.perf_counter() - t0):.0f} tok/s, "
+                            f"{done + (not left[i])}/{len(enc)} shards of this run")
+        if not left[i]:
+            done += 1
+            yield i, seqs.pop(i)  # type: ignore[misc]
+
+
+def add_features(model, out: Path, shards: list[int], prompts: list[Prompt], shard_size: int, layer_ids: list[int],
                  batch_size: int, progress: bool = True) -> None:
     """Compute and store features for finished shards that lack them, from their stored tokens (no regeneration)."""
     from tqdm import tqdm

@@ -17,7 +17,7 @@ from ..decoding import DecodeSettings, generate_ids, mean_acceptance
 from ..errors import FlashdraftError
 from .batches import TrainData, anchor_generator
 from .config import TrainConfig
-from .data import Sequence, data_dirs, interleave, read_jsonl_prompts
+from .data import Sequence, interleave, read_jsonl_prompts
 from .forward import RECALL_K, micro_inputs, micro_loss
 from .loss import mean_loss, position_accuracy, tau_hat
 from .mask import sample_anchors, stage_len
@@ -184,8 +184,9 @@ def dev_setup(cfg: TrainConfig, target, is_main: bool, say) -> dict | None:
         return None
     if cfg.dev_prompts and not Path(cfg.dev_prompts).is_file():
         raise FlashdraftError(f"--dev-prompts {cfg.dev_prompts} does not exist")
-    paths = [Path(cfg.dev_prompts)] if cfg.dev_prompts else \
-        [Path(d) / "dev.jsonl" for d in data_dirs(cfg.data) if (Path(d) / "dev.jsonl").is_file()]
+    from .store import dev_files
+
+    paths = [Path(cfg.dev_prompts)] if cfg.dev_prompts else dev_files(cfg.data, cfg.data_source)
     if not paths:
         return None
     prompts = interleave([read_jsonl_prompts(p) for p in paths])[: cfg.dev_samples]

@@ -16,11 +16,12 @@ import torch
 from torch import nn
 
 from .. import target as T
+from ..errors import FlashdraftError
 from .batches import TrainData, frequent_tokens, training_data
 from .build import build_or_load_drafter
 from .checkpoint import resume, rewind_metrics, save_best, save_checkpoint, step_dir
 from .config import TrainConfig, check_config
-from .data import data_dirs, read_meta
+from .data import data_dirs
 from .evaluate import Clock, Meter, append_row, dev_line, dev_row, dev_setup, held_out_row, log_line
 from .setup import Models, Runtime, barrier, dist_info, frozen_target, sigterm_flag, start_runtime, wrap_ddp
 from .step import make_optimizer, train_step
@@ -60,7 +61,7 @@ def train(cfg: TrainConfig, target=None, log=print) -> TrainResult:
     say = log if rt.is_main else quiet
     target = frozen_target(cfg.target, target, rt)
     drafter = build_or_load_drafter(cfg, target).to(rt.device)
-    data = training_data(cfg, drafter.config, T.vocab_size(target.model))
+    data = training_data(cfg, drafter.config, T.vocab_size(target.model), target.model)
     if cfg.draft_vocab:  # inference only: the loss still covers the whole vocabulary (or --loss-vocab)
         drafter.draft_vocab = frequent_tokens(data.train, cfg.draft_vocab, data.vocab)
     opt, sched = make_optimizer(cfg, drafter)
@@ -100,10 +101,14 @@ def quiet(*args, **kwargs) -> None:
 
 
 def check_run(cfg: TrainConfig) -> None:
-    """The settings, then that every --data is a prepared directory: fail before loading any model."""
+    """The settings, then that every --data is a prepared directory or token store: fail before loading any model."""
+    from .store import check_data, is_store
+
     check_config(cfg, dist_info()[1])
     for d in data_dirs(cfg.data):
-        read_meta(d)
+        check_data(d)
+    if cfg.data_source and not any(is_store(d) for d in data_dirs(cfg.data)):
+        raise FlashdraftError("--data-source chooses sources of a token store; no --data is one")
 
 
 def banner(cfg: TrainConfig, drafter: nn.Module, data: TrainData, rt: Runtime) -> str:
