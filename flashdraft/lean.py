@@ -53,18 +53,20 @@ class LeanModel:
     head_dim: int
     scaling: float
     pack: bool
-    stamp: tuple  # the source weights' storage and version when the fused copies were taken
+    params: list[torch.nn.Parameter]  # the source weights (walking the module tree per forward costs ms); a
+    # Parameter replaced by a new object is not seen: call target.use_lean again after such surgery
+    stamp: tuple  # their storage and version when the fused copies were taken
 
 
-def stamp(model: PreTrainedModel) -> tuple:
+def stamp(params: list[torch.nn.Parameter]) -> tuple:
     """Changes when any weight is replaced (`.to(dtype)`, a load) or edited in place (its version counter)."""
-    return tuple((p.data_ptr(), 0 if p.is_inference() else p._version) for p in model.parameters())
+    return tuple((p.data_ptr(), 0 if p.is_inference() else p._version) for p in params)
 
 
 def current(model: PreTrainedModel) -> LeanModel | None:
     """The model's lean view (set up by target.use_lean), rebuilt if its weights changed since it was taken."""
     lm = getattr(model, "flashdraft_lean", None)
-    if lm is not None and lm.stamp != stamp(model):
+    if lm is not None and lm.stamp != stamp(lm.params):
         lm = model.flashdraft_lean = lean_model(model, lm.pack)
     return lm
 
@@ -96,6 +98,7 @@ def lean_model(model: PreTrainedModel, pack: bool = False) -> LeanModel | None:
         return packed.pack_weight(w) if pack and packed.supported(w.device, w.dtype) else w
 
     cfg = model.config.get_text_config()
+    params = list(model.parameters())
     layers = []
     for layer in model.model.layers:
         a, m = layer.self_attn, layer.mlp
@@ -113,7 +116,8 @@ def lean_model(model: PreTrainedModel, pack: bool = False) -> LeanModel | None:
     heads = cfg.num_attention_heads
     return LeanModel(layers, model.model.embed_tokens, model.model.rotary_emb, model.model.norm.weight.detach(),
                      _weight(model.lm_head.weight), cfg.rms_norm_eps, heads,
-                     getattr(cfg, "num_key_value_heads", None) or heads, a.head_dim, a.scaling, pack, stamp(model))
+                     getattr(cfg, "num_key_value_heads", None) or heads, a.head_dim, a.scaling, pack, params,
+                     stamp(params))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
