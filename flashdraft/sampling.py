@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -21,8 +22,8 @@ class SamplingParams:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise FlashdraftError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:  # NaN and inf too: logits / inf is NaN wherever a logit is -inf
+            raise FlashdraftError(f"temperature must be >= 0 and finite (0 = greedy), got {self.temperature}")
         if self.top_k < 0:
             raise FlashdraftError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0 < self.top_p <= 1:

@@ -21,7 +21,8 @@ from .tree import node_depths
 
 
 class RaggedLayer(DynamicLayer):
-    """One layer's K/V [rows, heads, capacity, head_dim]; new positions land at each row's own end (cache.lens)."""
+    """One layer's K/V [slots, heads, capacity, head_dim]; the first cache.rows slots are the live rows, and new
+    positions land at each row's own end (cache.lens)."""
 
     def __init__(self, cache: BatchCache):
         super().__init__()
@@ -29,18 +30,16 @@ class RaggedLayer(DynamicLayer):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device, self.is_initialized = key_states.device, True
-        self.keys = key_states.new_zeros(*key_states.shape[:2], 0, key_states.shape[-1])
-        self.values = value_states.new_zeros(*value_states.shape[:2], 0, value_states.shape[-1])
+        shape = (self.cache.slots, key_states.shape[1], self.cache.capacity, key_states.shape[-1])
+        self.keys, self.values = key_states.new_zeros(shape), value_states.new_zeros(shape)
 
-    def ensure(self, capacity: int) -> None:
-        """Room for `capacity` positions per row (doubling, so growth is amortised)."""
-        if self.keys.shape[-2] >= capacity:
-            return
-        cap = max(256, capacity, 2 * self.keys.shape[-2])
+    def resize(self, slots: int, capacity: int) -> None:
+        """Buffers of `slots` rows × `capacity` positions, the live rows' positions copied over (growth only)."""
         for name in ("keys", "values"):
             old = getattr(self, name)
-            buf = old.new_zeros(old.shape[0], old.shape[1], cap, old.shape[-1])
-            buf[:, :, : old.shape[-2]] = old
+            buf = old.new_zeros(slots, old.shape[1], capacity, old.shape[-1])
+            n, m = self.cache.rows, min(old.shape[-2], capacity)
+            buf[:n, :, :m] = old[:n, :, :m]
             setattr(self, name, buf)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -48,23 +47,31 @@ class RaggedLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         n, t = key_states.shape[0], key_states.shape[-2]
         lens = self.cache.lens
-        self.ensure(int(lens.max()) + t)
+        self.cache.ensure(int(lens.max()) + t)
         pos = lens[:, None] + torch.arange(t, device=lens.device)  # [n, t]: each row's new positions
         rows = torch.arange(n, device=lens.device)[:, None]
         self.keys[rows, :, pos] = key_states.transpose(1, 2)  # indexing puts [n, t] first: [n, t, heads, dim]
         self.values[rows, :, pos] = value_states.transpose(1, 2)
         width = self.cache.width
-        return self.keys[:, :, :width], self.values[:, :, :width]
+        return self.keys[:n, :, :width], self.values[:n, :, :width]  # views: nothing is copied to attend
 
     def get_seq_length(self) -> int:
         return int(self.cache.lens.max()) if len(self.cache.lens) else 0
 
 
 class BatchCache(DynamicCache):
-    """The K/V of several sequences; lens[i] positions of row i are committed."""
+    """The K/V of several sequences in preallocated row slots; lens[i] positions of row i are committed.
 
-    def __init__(self, model: PreTrainedModel):
+    Rows are a dense prefix of the slots, so attention reads views. Joining copies one sequence into the next free
+    slot; leaving moves the last row into the hole (one row's positions, never the whole cache), which reorders the
+    rows: remove_rows says how. Positions per row grow by doubling up to the target's context (plus one block of
+    padding), never beyond; slots grow by doubling when more rows join than `slots` allowed for.
+    """
+
+    def __init__(self, model: PreTrainedModel, slots: int = 8):
         super().__init__(config=model.config)
+        self.slots, self.capacity = max(1, slots), 0
+        self.limit = T.context_limit(model)
         self.layers = [RaggedLayer(self) for _ in range(T.num_layers(model))]
         self.lens = torch.zeros(0, dtype=torch.long, device=model.device)
         self.width = 0  # keys each verify attends to: max(lens) + the block width
@@ -73,30 +80,52 @@ class BatchCache(DynamicCache):
     def rows(self) -> int:
         return len(self.lens)
 
-    def add_row(self, single: DynamicCache) -> int:
-        """Append a sequence prefilled alone (a target.new_cache); returns its row."""
-        n = single.get_seq_length()
-        for layer, one in zip(self.layers, single.layers):
-            k, v = one.keys[..., :n, :], one.values[..., :n, :]
-            if not layer.is_initialized:
-                layer.lazy_initialization(k[:0], v[:0])
-            layer.ensure(n)
-            pad = layer.keys.shape[-2] - n
-            layer.keys = torch.cat([layer.keys, torch.nn.functional.pad(k, (0, 0, 0, pad))], 0)
-            layer.values = torch.cat([layer.values, torch.nn.functional.pad(v, (0, 0, 0, pad))], 0)
-        self.lens = torch.cat([self.lens, self.lens.new_tensor([n])])
-        return self.rows - 1
-
-    def remove_rows(self, rows: list[int]) -> None:
-        """Drop these rows; the others keep their order."""
-        gone = set(rows)
-        keep = torch.tensor([i for i in range(self.rows) if i not in gone], dtype=torch.long,
-                            device=self.lens.device)
+    @torch.inference_mode()  # the buffers are inference tensors; callers need not be in that mode
+    def ensure(self, capacity: int, slots: int | None = None) -> None:
+        """Room for `capacity` positions in every slot (and at least `slots` slots)."""
+        slots = max(self.slots, slots or 0)
+        if capacity <= self.capacity and slots == self.slots:
+            return
+        if capacity > self.capacity:  # doubling amortises growth; the context bounds it
+            capacity = max(capacity, min(max(256, 2 * self.capacity), self.limit))
+        self.slots, self.capacity = slots, max(capacity, self.capacity)
         for layer in self.layers:
             if layer.is_initialized:
-                layer.keys, layer.values = layer.keys[keep], layer.values[keep]
-        self.lens = self.lens[keep]
+                layer.resize(self.slots, self.capacity)
 
+    @torch.inference_mode()  # the buffers are inference tensors; callers need not be in that mode
+    def add_row(self, single: DynamicCache) -> int:
+        """Copy a sequence prefilled alone (a target.new_cache) into the next free slot; returns its row."""
+        n, row = single.get_seq_length(), self.rows
+        self.ensure(n, 2 * self.slots if row == self.slots else None)
+        for layer, one in zip(self.layers, single.layers):
+            if not layer.is_initialized:
+                layer.lazy_initialization(one.keys, one.values)
+            layer.keys[row, :, :n] = one.keys[0, :, :n]
+            layer.values[row, :, :n] = one.values[0, :, :n]
+        self.lens = torch.cat([self.lens, self.lens.new_tensor([n])])
+        return row
+
+    @torch.inference_mode()  # the buffers are inference tensors; callers need not be in that mode
+    def remove_rows(self, rows: list[int]) -> list[int]:
+        """Drop these rows, filling each hole with the last row → the new order: new row j was row order[j]."""
+        order = list(range(self.rows))
+        lens = self.lens.tolist()
+        for i in sorted(set(rows), reverse=True):
+            last = len(order) - 1
+            if i != last:
+                n = lens[last]
+                for layer in self.layers:
+                    if layer.is_initialized:
+                        layer.keys[i, :, :n] = layer.keys[last, :, :n]
+                        layer.values[i, :, :n] = layer.values[last, :, :n]
+                lens[i], order[i] = n, order[last]
+            lens.pop()
+            order.pop()
+        self.lens = self.lens.new_tensor(lens)
+        return order
+
+    @torch.inference_mode()  # the buffers are inference tensors; callers need not be in that mode
     def keep(self, row: int, start: int, kept: list[int]) -> None:
         """Row `row` verified a block at `start`: keep its rows `kept` (relative, increasing) as start.. and drop the
         rest (target.keep_rows for one row of the batch)."""

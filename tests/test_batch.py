@@ -171,6 +171,59 @@ def batched_counts(target, drafter, params: SamplingParams, n: int) -> dict[tupl
     return counts
 
 
+UNEVEN = [PROMPT, [2, 7, 4, 6, 1, 0, 3]]  # two prompt lengths (3 and 7) in one batch
+
+
+def staggered_counts(target, drafter, params: SamplingParams, n: int) -> dict[tuple, dict[tuple, int]]:
+    """n seeded samples of each UNEVEN prompt's first NEW tokens from one continuous batch under the adaptive policy:
+    at most two rows join per cycle, so rows join while others are mid-decode, next to a greedy row of a longer
+    output whose widths the policy adapts (a sampled row always verifies its whole block)."""
+    dec = BatchDecoder(target, drafter, DecodeSettings(lookup=False), adaptive=True)
+    sampled = DecodeSettings(max_new_tokens=NEW, temperature=params.temperature, top_k=params.top_k,
+                             top_p=params.top_p, lookup=False, stop_token_ids=())
+    greedy = DecodeSettings(max_new_tokens=24, temperature=0.0, lookup=False, stop_token_ids=())
+    waiting = [(tuple(p), seed) for seed in range(n) for p in UNEVEN]
+    counts: dict[tuple, dict[tuple, int]] = {tuple(p): {} for p in UNEVEN}
+    while waiting or any(q.key != "greedy" for q in dec.active):
+        if not any(q.key == "greedy" for q in dec.active):
+            dec.join([6, 2, 5], greedy, key="greedy")
+        for _ in range(2):
+            if waiting and len(dec.active) < 8:
+                prompt, seed = waiting.pop(0)
+                dec.join(list(prompt), sampled.updated(seed=seed), key=prompt)
+        for q, _ in dec.step():
+            if q.done and q.key != "greedy":
+                counts[q.key][tuple(q.output)] = counts[q.key].get(tuple(q.output), 0) + 1
+    return counts
+
+
+def test_batched_sampling_matches_target_with_uneven_prompts_joins_and_the_adaptive_policy():
+    """Chi-square per prompt, 1,000 samples each, from the staggered batch of staggered_counts."""
+    target = tiny_target("llama", vocab=8, init_std=0.3, seed=3)
+    drafter = random_drafter(target, block_size=3, init_std=0.3, seed=4)
+    params = SamplingParams(0.9, top_k=6)
+    for prompt, counts in staggered_counts(target, drafter, params, 1000).items():
+        assert sum(counts.values()) == 1000
+        p = chi2_pvalue(counts, exact_distribution(target, params, list(prompt)))
+        assert p > ALPHA, f"staggered batched samples of {prompt} do not follow the target (chi2 p={p:.2e})"
+
+
+def test_the_staggered_test_catches_a_broken_verifier(monkeypatch):
+    """Negative control: a verifier that keeps every draft fails the staggered test too."""
+    def accept_all(p, logits, params, gen):
+        return list(range(len(p.drafts))), int(torch.multinomial(torch.softmax(logits[-1], -1), 1, generator=gen))
+
+    monkeypatch.setattr(batch_mod, "accept", accept_all)
+    target = tiny_target("llama", vocab=8, init_std=0.3, seed=3)
+    drafter = random_drafter(target, block_size=3, init_std=0.3, seed=4)
+    params = SamplingParams(1.0)
+    caught = []
+    for prompt, counts in staggered_counts(target, drafter, params, 600).items():
+        exact = exact_distribution(target, params, list(prompt))
+        caught.append(any(exact.get(k, 0) == 0 for k in counts) or chi2_pvalue(counts, exact) < ALPHA)
+    assert all(caught)
+
+
 def test_adaptive_widths_for_greedy_rows_only_so_seeded_sampling_equals_generate():
     """Greedy and seeded sampling requests joining one per cycle: every output equals generate_ids; sampled requests
     keep generate's cycles (their random draws follow the widths), greedy ones adapt theirs."""
@@ -305,3 +358,48 @@ def test_real_target_batched_outputs_equal_its_own_greedy():
         if not adaptive:
             assert sum(r.tau for r in res) / len(res) > 1.5  # the shipped drafter's drafts were verified
             assert len({c.accepted for r in res for c in r.cycles}) > 2  # ragged: rows kept different prefixes
+
+
+def test_long_prompts_join_in_chunks_while_the_batch_decodes():
+    """A prompt longer than prefill_chunk is prefilled one chunk per step while the other rows keep decoding; its
+    output (greedy and seeded sampling) equals its decoding alone, and so do the others'."""
+    target = tiny_target("llama")
+    drafter = random_drafter(target, block_size=4)
+    short, long_, longer = prompts(3)[0][:5], (list(range(3, 60)) * 2)[:70], (list(range(5, 80)) * 2)[:45]
+    alone = [generate_ids(target, drafter, short, max_new_tokens=30),
+             generate_ids(target, drafter, long_, max_new_tokens=20),
+             generate_ids(target, drafter, longer, max_new_tokens=20, temperature=0.8, seed=3)]
+    dec = BatchDecoder(target, drafter, adaptive=False, prefill_chunk=16)
+    a, first = dec.join(short, max_new_tokens=30)
+    assert len(first.emitted) == 1 and a in dec.active  # short: prefilled at once
+    b, none = dec.join(long_, max_new_tokens=20)
+    c, _ = dec.join(longer, max_new_tokens=20, temperature=0.8, seed=3)
+    assert none.emitted == [] and b in dec.joining and b not in dec.active
+    steps_until_b = 0
+    while b not in dec.active:
+        out = dec.step()
+        steps_until_b += 1
+        assert any(q is a and len(cyc.emitted) >= 1 for q, cyc in out)  # a decodes in every one of those steps
+    assert steps_until_b == 5  # 70 tokens in chunks of 16
+    while dec.busy:
+        dec.step()
+    for seq, ref in zip((a, b, c), alone):
+        assert seq.output == ref.output_ids
+    assert dec.result(b).timing.prefill_s > 0 and dec.cache.rows == 0
+
+
+def test_leaving_from_the_middle_outside_inference_mode():
+    """A cancelled request leaves from any row, from any thread's grad mode (the server's sweep is not in inference
+    mode); the rows that stay keep decoding exactly."""
+    target = tiny_target("llama")
+    drafter = random_drafter(target, block_size=4)
+    ps = prompts(3)
+    alone = [generate_ids(target, drafter, p, max_new_tokens=20) for p in ps]
+    dec = BatchDecoder(target, drafter, adaptive=False)
+    seqs = [dec.join(p, max_new_tokens=20)[0] for p in ps]
+    dec.step()
+    dec.leave(seqs[0])  # the hole is filled by the last row
+    assert dec.active == [seqs[2], seqs[1]]
+    while dec.busy:
+        dec.step()
+    assert [s.output for s in seqs[1:]] == [r.output_ids for r in alone[1:]]

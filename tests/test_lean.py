@@ -109,3 +109,31 @@ def test_changed_weights_are_never_served_from_stale_fused_copies():
         torch.testing.assert_close(a.logits, b.logits, rtol=1e-5, atol=1e-5)
         model.to(torch.bfloat16)
         assert T.forward(model, ids, 0, T.new_cache(model), [1]).features.dtype == torch.bfloat16
+
+
+@torch.inference_mode()
+def test_batch_cache_joins_and_leaves_without_copying_the_cache():
+    """Rows live in preallocated slots: joining writes one slot, leaving moves the last row into the hole, and the
+    buffers are the same tensors throughout; every row keeps exactly its own K/V."""
+    model = tiny_target("llama", max_pos=300)
+    cache, singles = BatchCache(model, slots=4), []
+    for n in (5, 9, 7, 3):
+        single = T.new_cache(model)
+        T.forward(model, torch.arange(n) + n, 0, single, [])
+        singles.append(single)
+        cache.add_row(single)
+    ptrs = [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in cache.layers]
+    order = cache.remove_rows([0, 2])
+    assert order == [3, 1] and cache.lens.tolist() == [3, 9]
+    assert [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in cache.layers] == ptrs
+    for row, old in enumerate(order):
+        n = singles[old].get_seq_length()
+        for layer, one in zip(cache.layers, singles[old].layers):
+            assert torch.equal(layer.keys[row, :, :n], one.keys[0, :, :n])
+            assert torch.equal(layer.values[row, :, :n], one.values[0, :, :n])
+    cache.ensure(10_000)  # never beyond the context (max_pos 300) unless a verify needs it
+    assert cache.capacity == 10_000
+    cache2 = BatchCache(model, slots=2)
+    cache2.add_row(singles[0])
+    cache2.ensure(290)
+    assert cache2.capacity == 300  # doubling is capped at the context

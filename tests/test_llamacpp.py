@@ -97,6 +97,30 @@ def test_server_log_gives_cycles_and_draft_time_per_request(tmp_path):
     server.log.close()
 
 
+def test_missing_draft_time_is_none_not_zero(tmp_path):
+    """A server log without llama.cpp's draft timer line: the cycles are read, the drafting time is missing (None) in
+    the result, its timing and the bench turn record, and the report shows no per-cycle split."""
+    from flashdraft.bench.methods import run_llamacpp
+    from flashdraft.bench.runs import turn_record
+    from flashdraft.engines.llamacpp import LlamaCppResult
+
+    server = LlamaServer(tmp_path / "m.gguf", tmp_path / "d.gguf", 8)
+    log = tmp_path / "server.log"
+    server.log = open(log, "wb")
+    log.write_text("I slot   operator(): id  0 | task 0 | accepted  3/ 7 draft tokens\n"
+                   "I slot      release: id  0 | task 0 | stop processing: n_tokens = 20\n")
+    assert server.read_cycles() == ([4], 7, None)
+    server.log.close()
+    r = LlamaCppResult([5, 6, 7, 8, 9], 3, 10.0, 40.0, None, {}, [4])
+    assert r.timing.draft_s is None and r.to_record()["timing"]["draft_s"] is None
+    engine = types.SimpleNamespace(generate=lambda ids, s: r)
+    settings = types.SimpleNamespace(engine=engine, decode=None)
+    sample = run_llamacpp(None, [1, 2, 3], settings)
+    assert sample.acceptance_lengths == [4] and sample.draft_s is None
+    rec = turn_record(types.SimpleNamespace(decode=lambda ids: ""), sample, 3)
+    assert rec["cycle_timing"] is False and rec["draft_s"] is None and rec["acceptance_lengths"] == [4]
+
+
 def _turn(ids, tok_s, acc=()):
     n = len(ids)
     return {"prompt_len": 3, "output_ids": ids, "text": "", "new_tokens": n, "first_tokens": 1, "ttft_s": 0.1,

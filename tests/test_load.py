@@ -89,3 +89,19 @@ def test_load_runs_vllms_server_beside_flashdraft(tmp_path):
     runs = {r["mode"]: r for r in json.loads((out / "load.json").read_text())["runs"]}
     assert runs["vllm"]["ok"] == runs["vllm"]["requests"] == 2 and runs["vllm"]["output_tokens"] > 0
     assert "| vllm |" in (out / "load.md").read_text() and "1.00×" in (out / "load.md").read_text()
+
+
+def test_a_server_that_never_prints_cannot_hold_the_start(monkeypatch):
+    """start_server gives up at its deadline even when the server writes nothing at all."""
+    import time
+
+    from flashdraft.bench import load
+    from flashdraft.errors import FlashdraftError
+
+    monkeypatch.setattr(load, "MODES", {"silent": []})
+    real_popen = load.subprocess.Popen
+    monkeypatch.setattr(load.subprocess, "Popen", lambda cmd, **kw: real_popen(["sleep", "30"], **kw))  # silent
+    t0 = time.monotonic()
+    with pytest.raises(FlashdraftError, match="did not start"):
+        load.start_server([], "silent", startup_s=2)
+    assert time.monotonic() - t0 < 10

@@ -18,6 +18,7 @@ import torch
 
 from flashdraft.checkpoint import save_drafter
 from flashdraft.cli import main
+from flashdraft.decoding import generate_ids
 from flashdraft.decoding.settings import DecodeSettings
 from flashdraft.errors import FlashdraftError
 from flashdraft.sampling import SamplingParams
@@ -68,14 +69,16 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 40, 3, 40, 3, 40, 3], [1, 2]]
 
 @pytest.mark.parametrize("lookup", [False, True])
 def test_mlx_greedy_is_lossless_on_tiny_models(tiny, lookup):
-    model, _, mt, md = tiny
+    model, drafter, mt, md = tiny
     for prompt in PROMPTS:
         ref = hf_greedy(model, prompt, 40)
         plain = decode(mt, None, prompt, 96, block_size=1)
         assert_greedy_lossless(model, prompt, plain.output_ids, ref)  # MLX plain = torch greedy
         spec = decode(mt, md, prompt, 96, lookup=lookup)
         assert spec.output_ids == plain.output_ids  # MLX DFlash = MLX plain, token for token
-        assert len(spec.cycles) < 40 or spec.tau == 1.0
+        # the same drafter drafts the same blocks in torch: cycle for cycle, the same drafts are kept
+        ref = generate_ids(model, drafter, prompt, max_new_tokens=40, lookup=lookup, stop_token_ids=(), tree=0)
+        assert spec.acceptance_lengths == ref.acceptance_lengths and len(spec.cycles) == len(ref.cycles)
         rec = spec.to_record()
         assert rec["config"]["block_size"] == 6 and rec["config"]["tree"] == 0 and sum(
             len(c["block"]) > 1 for c in rec["cycles"]) == len(rec["cycles"])
@@ -135,6 +138,38 @@ def test_mlx_drafter_logits_equal_torch(tiny):
     assert got.shape == want.shape
     assert (got - want).abs().max() < LOGIT_ATOL, float((got - want).abs().max())
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_only_the_layers_the_drafter_reads_are_kept(tiny):
+    """The target keeps the outputs of the drafter's layers only (each kept output holds a forward's activations)."""
+    from flashdraft.mlx.target import Capture
+
+    model, drafter, mt, md = tiny
+    decode(mt, md, PROMPTS[0], 96, max_new_tokens=8)
+    wanted = set(drafter.config.target_layer_ids)
+    assert set(mt.slots) == wanted and len(wanted) < len(mt.inner.layers)
+    assert {i for i, layer in enumerate(mt.inner.layers) if isinstance(layer, Capture)} == wanted
+    with pytest.raises(FlashdraftError, match=r"reads target layers \[9\]; the target has 4"):
+        mt.capture([9])
+
+
+def test_a_target_whose_cache_cannot_trim_is_refused_in_one_line(tmp_path, monkeypatch):
+    """Rejected drafts are rolled back by trimming the cache: a recurrent (ArraysCache) or sliding-window
+    (RotatingKVCache) layer cannot be, and such a target is refused when it loads, not mid-generation."""
+    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+    from flashdraft.mlx import target as MT
+
+    save_tiny_model_dir(tmp_path / "m", "llama")
+    for cache, kind in ([KVCache(), ArraysCache(2)], "ArraysCache"), ([KVCache(), RotatingKVCache(64)],
+                                                                        "RotatingKVCache"):
+        monkeypatch.setattr(MT, "make_prompt_cache", lambda model, c=cache: c)
+        with pytest.raises(FlashdraftError) as e:
+            MT.load_mlx_target.__wrapped__(str(tmp_path / "m"), "float32")
+        msg = str(e.value)
+        assert "\n" not in msg and kind in msg and "--engine torch" in msg and "cannot roll back" in msg
+    with pytest.raises(FlashdraftError, match="could not drop 3 rejected positions"):
+        MT.trim([ArraysCache(2)], 3)
 
 
 def test_mlx_dflash2_walk_equals_torch(tmp_path):
@@ -216,6 +251,18 @@ def dirs(tmp_path_factory):
     rows = [{"id": "a", "turns": ["t10 t11 t12 t13 t10 t11 t12"]}, {"id": "b", "turns": ["t20 t21", "t30 t31"]}]
     (root / "tiny.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return root
+
+
+def test_mlx_without_a_drafter_says_it_decodes_plainly(dirs, capsys):
+    from flashdraft.engines.mlx import MlxEngine
+    from flashdraft.models import load_target
+
+    engine = MlxEngine.open(load_target(str(dirs / "target")))
+    lines = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+    assert engine.drafter is None and len(lines) == 1 and "no drafter registered" in lines[0]
+    assert "decodes plainly" in lines[0] and "--drafter DIR" in lines[0]
+    MlxEngine.open(load_target(str(dirs / "target")), plain=True)  # asked for: no notice
+    assert capsys.readouterr().err.strip() == ""
 
 
 def test_generate_engine_mlx_record_matches_torch_shape(dirs, capsys):

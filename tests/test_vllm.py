@@ -108,37 +108,76 @@ def test_speculative_sampling_is_refused_where_the_self_check_fails():
 
 
 class FakeLLM:
-    """Stands in for vllm.LLM in the self-check: answers with tokens chosen from the target's own logits."""
+    """Stands in for vllm.LLM in the self-check: each request's tokens drawn by `pick(probs, generator)` from the
+    target's processed distribution (temperature 1, the request's top-k), seeded by the request's seed."""
 
-    def __init__(self, target, rank: int | None):
-        self.target, self.rank = target, rank
+    def __init__(self, target, pick):
+        self.target, self.pick = target, pick
 
     def generate(self, prompts, params, use_tqdm=False):
         import torch
 
-        if self.rank is None:
-            raise IndexError("index 1065772646 is out of bounds for dimension 1 with size 96")
-        ids = list(prompts[0]["prompt_token_ids"])
-        out = []
+        from flashdraft.sampling import SamplingParams, process
+
+        outs = []
         with torch.inference_mode():
-            for _ in range(params.max_tokens):
-                logits = self.target.model(torch.tensor([ids + out])).logits[0, -1]
-                out.append(int(logits.argsort(descending=True)[self.rank]))
-        return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=out)])]
+            for prompt, p in zip(prompts, params):
+                ids, out, gen = list(prompt["prompt_token_ids"]), [], torch.Generator().manual_seed(p.seed)
+                for _ in range(p.max_tokens):
+                    logits = self.target.model(torch.tensor([ids + out])).logits[0, -1]
+                    out.append(int(self.pick(process(logits, SamplingParams(1.0, p.top_k)), gen)))
+                outs.append(types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=out)]))
+        return outs
 
 
 def test_the_sampling_self_check_passes_a_right_sampler_and_catches_wrong_ones(tmp_path):
+    """A chi-square test, not a range check: a sampler that stays inside the top-k but follows another distribution
+    (always the top token, uniform over the top-k) fails it; so do garbage tokens and a sampler that raises."""
+    import torch
+
     from serve_helpers import make_model_dirs
 
     from flashdraft.engines.vllm import sampling_defect
     from flashdraft.models import load_target
 
     target = load_target(str(make_model_dirs(tmp_path)[0]))
-    assert sampling_defect(FakeLLM(target, 0), target, tokens=8) is None  # the top token is always allowed
-    assert sampling_defect(FakeLLM(target, 3), target, tokens=8, top_k=4) is None  # so is the 4th of top-4
-    assert sampling_defect(FakeLLM(target, 40), target, tokens=8) == "8 of 8 sampled tokens fall outside the " \
-                                                                      "target's top-4"
-    assert sampling_defect(FakeLLM(target, None), target, tokens=8).startswith("sampling raised IndexError")
+    right = FakeLLM(target, lambda probs, gen: torch.multinomial(probs, 1, generator=gen))
+    assert sampling_defect(right, target) is None
+    for wrong in (lambda probs, gen: probs.argmax(),
+                  lambda probs, gen: torch.multinomial((probs > 0).float(), 1, generator=gen)):
+        assert "do not follow the target's distribution (chi-square p = " in sampling_defect(FakeLLM(target, wrong),
+                                                                                              target)
+    garbage = FakeLLM(target, lambda probs, gen: probs.argmin())
+    assert sampling_defect(garbage, target) == "400 of 400 sampled token pairs fall outside the target's top-4"
+
+    def broken(probs, gen):
+        raise IndexError("index 1065772646 is out of bounds for dimension 1 with size 96")
+
+    assert sampling_defect(FakeLLM(target, broken), target).startswith("sampling raised IndexError")
+
+
+def test_chi_square_p_matches_scipy():
+    from scipy.stats import chisquare
+
+    from flashdraft.engines.vllm import chi_square_p
+
+    exact = {(0, 0): 0.5, (0, 1): 0.3, (1, 0): 0.15, (1, 1): 0.05}
+    counts = {(0, 0): 230, (0, 1): 110, (1, 0): 45, (1, 1): 15}
+    want = chisquare([230, 110, 45, 15], [200, 120, 60, 20]).pvalue
+    assert chi_square_p(counts, exact) == pytest.approx(want, rel=1e-6)
+
+
+def test_no_acceptance_counters_is_an_error_never_tau_1():
+    from flashdraft.engines.vllm import result_of
+
+    metrics = types.SimpleNamespace(first_token_latency=0.1, first_token_ts=1.0, last_token_ts=2.0)
+    out = types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[1, 2, 3])], metrics=metrics,
+                                prompt_token_ids=[4, 5])
+    assert result_of(out, {}).acceptance_lengths == []  # plain decoding has none
+    with pytest.raises(FlashdraftError, match="no speculative decoding counters"):
+        result_of(out, {}, speculative=True)
+    out.outputs[0].spec_decode_metrics = types.SimpleNamespace(per_step_accepted=[1, 0])
+    assert result_of(out, {}, speculative=True).acceptance_lengths == [2, 1]
 
 
 @pytest.mark.parametrize("argv, match", [

@@ -15,6 +15,7 @@ import json
 import math
 import multiprocessing
 import os
+import queue
 import subprocess
 import sys
 import threading
@@ -57,6 +58,9 @@ def stream_chat(url: str, model: str, prompt: str, max_tokens: int, timeout: flo
                        "temperature": 0, "stream": True, "stream_options": {"include_usage": True}})
     t0 = time.perf_counter()
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=min(timeout, STALL_S))
+    watchdog = threading.Timer(timeout, conn.close)  # a server trickling bytes resets the stall timer: cap the total
+    watchdog.daemon = True
+    watchdog.start()
     try:
         conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
         resp = conn.getresponse()
@@ -64,8 +68,6 @@ def stream_chat(url: str, model: str, prompt: str, max_tokens: int, timeout: flo
             return Outcome(False, error=f"HTTP {resp.status}")
         ttft, tokens = None, 0
         for raw in resp:
-            if time.perf_counter() - t0 > timeout:
-                return Outcome(False, error="timeout")
             line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -76,10 +78,13 @@ def stream_chat(url: str, model: str, prompt: str, max_tokens: int, timeout: flo
                 ttft = time.perf_counter() - t0
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
+        if time.perf_counter() - t0 > timeout:
+            return Outcome(False, error="timeout")
         return Outcome(True, tokens, time.perf_counter() - t0, ttft)
-    except (OSError, http.client.HTTPException) as e:
-        return Outcome(False, error=type(e).__name__)
+    except (OSError, ValueError, http.client.HTTPException) as e:
+        return Outcome(False, error="timeout" if time.perf_counter() - t0 > timeout else type(e).__name__)
     finally:
+        watchdog.cancel()
         conn.close()
 
 
@@ -134,16 +139,21 @@ def start_server(serve_args: list[str], mode: str, startup_s: float = 600) -> tu
     cmd = [sys.executable, "-m", "flashdraft.cli", "serve", *port, *serve_args, *MODES[mode]]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines: queue.Queue[str | None] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stderr] + [lines.put(None)], daemon=True).start()
     end, last = time.monotonic() + startup_s, ""
-    for line in proc.stderr:
+    while (left := end - time.monotonic()) > 0:  # a server that prints nothing cannot hold this past the deadline
+        try:
+            line = lines.get(timeout=min(left, 1.0))
+        except queue.Empty:
+            continue
+        if line is None:
+            break
         last = line.strip() or last
         if ("serving" in line or "serves" in line) and "http://" in line:
             url = "http://" + line.split("http://", 1)[1].split("/v1")[0]
-            threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()  # keep the pipe drained
             if wait_healthy(url, proc, end):
                 return proc, url
-            break
-        if time.monotonic() > end:
             break
     proc.kill()
     raise FlashdraftError(f"the {mode} server did not start ({last or 'no output'}): {' '.join(cmd)}")

@@ -140,8 +140,8 @@ def run_llamacpp(target, ids: list[int], s: MethodSettings) -> Sample:
     """llama.cpp's llama-server, plain or with its built-in DFlash; times are the server's own (no HTTP)."""
     r = s.engine.generate(ids, s.decode)
     ttft, gen = r.prompt_ms / 1000, r.predicted_ms / 1000
-    if r.draft_ms is None:
-        return Sample(r.output_ids, ttft, ttft + gen)
+    if r.draft_ms is None:  # plain, or no draft timer in the server's log: the cycles stay, the split is missing
+        return Sample(r.output_ids, ttft, ttft + gen, 1, r.acceptance_lengths)
     draft = r.draft_ms / 1000  # llama.cpp times drafting alone; the rest of a cycle counts as verify
     return Sample(r.output_ids, ttft, ttft + gen, 1, r.acceptance_lengths, draft, max(0.0, gen - draft), 0.0)
 

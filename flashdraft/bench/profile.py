@@ -126,6 +126,9 @@ def measure_llamacpp(model: Path, drafter: Path | None, block_sizes: list[int], 
     for b in block_sizes if drafter is not None else []:
         c = run(LlamaServer(model, drafter, b, threads, ctx))
         cycles = len(c.acceptance_lengths)
+        if cycles and c.draft_ms is None:
+            raise FlashdraftError("llama-server logged no draft timer, so its draft cost cannot be measured; "
+                                  "use a llama.cpp build that logs it (make llamacpp)")
         if cycles:
             out["draft_ms"][b] = c.draft_ms / cycles
             out["verify_ms"][b] = (c.predicted_ms - c.draft_ms) / cycles

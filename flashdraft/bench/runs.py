@@ -77,8 +77,8 @@ def turn_record(target, s: Sample, prompt_len: int) -> dict:
             "new_tokens": len(s.output_ids), "first_tokens": s.first_tokens, "ttft_s": s.ttft_s,
             "total_s": s.total_s, "decode_s": max(0.0, s.total_s - s.ttft_s),
             "acceptance_lengths": s.acceptance_lengths, "stages": s.stages, "lookup_cycles": s.lookup_cycles,
-            "cycle_timing": s.draft_s is not None, "draft_s": s.draft_s or 0.0, "verify_s": s.verify_s or 0.0,
-            "other_s": s.other_s or 0.0}
+            "cycle_timing": s.draft_s is not None, "draft_s": s.draft_s, "verify_s": s.verify_s,
+            "other_s": s.other_s}  # None where the method has no per-cycle split (missing, not zero)
 
 
 def run_sample(target, v: Variant, p: Prompt, chat: bool) -> list[dict]:

@@ -19,7 +19,7 @@ def add_serve(sub) -> None:
                                        "\"--tensor-parallel-size 2\")")
     p.add_argument("--print-command", action="store_true",
                    help="--engine vllm: print the `vllm serve` command line and exit (nothing is started)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback; there is no authentication)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
     p.add_argument("--port", type=int, default=8000, help="port (0: pick a free one; the bound port is printed)")
     p.add_argument("--served-model-name", help="model id clients must send (default: the target's name)")
     add_decode_arguments(p, per_request=False)  # length, sampling and stops come with each request
@@ -40,6 +40,17 @@ def add_serve(sub) -> None:
                    help="max_tokens when a request gives none (default 256, capped by the context)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="after SIGTERM, seconds admitted requests get to finish before they are cancelled (default 30)")
+    p.add_argument("--api-key", help="require the header Authorization: Bearer KEY on every route but /health (401 "
+                                     "without it); default: $FLASHDRAFT_API_KEY, else no key")
+    p.add_argument("--allowed-hosts",
+                   help="comma-separated Host header names the server also answers, e.g. myhost.lan,10.0.0.5 (default: "
+                        "localhost, 127.0.0.1, [::1] and the --host address; any name when --host is 0.0.0.0 or ::); "
+                        "other Host headers get 400, which keeps DNS-rebinding pages out")
+    p.add_argument("--max-connections", type=int, default=128,
+                   help="concurrent connections beyond which new ones get 503 (default 128; uvicorn's "
+                        "limit_concurrency)")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a client may take to send its request body; past that 408 (default 30)")
     p.set_defaults(func=cmd_serve)
 
 

@@ -29,6 +29,9 @@ from .settings import DecodeSettings, settings_from
 from .state import Cycle, DecodeState, GenerationResult, Timing
 
 
+PREFILL_CHUNK = 256  # prompt tokens per prefill pass: a long prompt costs the batch one chunk per cycle while it joins
+
+
 @dataclass
 class RowState(DecodeState):
     """A sequence's DecodeState inside a batch: its target K/V is a row of the BatchCache."""
@@ -52,15 +55,18 @@ class Sequence:
     loop: LoopProposer | None = None  # DLoop rows draft alone
     room: int = 0
     stopped: bool = False
+    error: Exception | None = None  # what this row raised in a cycle: it left the batch, the others went on
     output: list[int] = field(default_factory=list)
     cycles: list[Cycle] = field(default_factory=list)
     acceptance: Acceptance = field(default_factory=Acceptance)
     timing: Timing = field(default_factory=Timing)
     t0: float = field(default_factory=time.perf_counter)
+    single: object = None  # while joining: the target cache its prompt is prefilled into, chunk by chunk
+    prefilled: int = 0  # prompt tokens through the target so far
 
     @property
     def done(self) -> bool:
-        return self.stopped or self.room <= 0
+        return self.stopped or self.room <= 0 or self.error is not None
 
     def emit(self, new: list[int]) -> None:
         self.room -= len(new)
@@ -71,13 +77,15 @@ class BatchDecoder:
     """Continuous batched decoding of one target (+ drafter); join() between cycles, step() runs one cycle."""
 
     def __init__(self, model: PreTrainedModel, drafter: DFlashDrafter | None, settings: DecodeSettings | None = None,
-                 adaptive: bool = True):
+                 adaptive: bool = True, slots: int = 8, prefill_chunk: int = PREFILL_CHUNK):
         if not supports_batch(model):
             raise FlashdraftError("batched decoding needs a target whose layers all use full attention "
                                   "(a sliding-window cache cannot be kept per row); decode one request at a time")
         self.model, self.drafter, self.device = model, drafter, model.device
         self.settings = (settings or DecodeSettings()).validate()
-        self.cache, self.active = BatchCache(model), []
+        self.cache, self.active = BatchCache(model, slots), []  # slots: rows allocated up front (more grow it)
+        self.joining: list[Sequence] = []  # prompts being prefilled, oldest first
+        self.prefill_chunk = prefill_chunk
         self.layer_ids = list(drafter.config.target_layer_ids) if drafter is not None else []
         block = self.settings.resolve(drafter.config.block_size if drafter else None).block_size
         self.policy = AdaptivePolicy(max(block, 1 + (self.settings.tree or 0))) if adaptive else FixedPolicy()
@@ -88,7 +96,9 @@ class BatchDecoder:
     @torch.inference_mode()
     def join(self, prompt_ids: list[int], settings: DecodeSettings | None = None, key: object = None,
              **overrides) -> tuple[Sequence, Cycle]:
-        """Prefill a new sequence alone and add it to the batch → (the sequence, its first-token Cycle)."""
+        """Take a new sequence → (the sequence, its first-token Cycle). A prompt of up to prefill_chunk tokens is
+        prefilled now; a longer one chunk by chunk in the next step()s, whose results then carry its first token (its
+        Cycle here is empty)."""
         d = self.drafter
         s = settings_from(settings or self.settings, **overrides).resolve(d.config.block_size if d else None)
         T.check_prompt(self.model, prompt_ids)
@@ -98,55 +108,111 @@ class BatchDecoder:
         seq = Sequence(key, state, s, gen, torch.Generator(device=self.device).manual_seed(s.seed + 1), room=room)
         if d is not None and s.block_size > 1 and s.loop_stages > 1:
             seq.loop = LoopProposer(self.model, d, s.sampling, seq.draft_gen, s.loop_stages, s.loop_gate)
+        seq.single = T.new_cache(self.model)
+        self.joining.append(seq)
+        return seq, self.prefill(seq) if len(prompt_ids) <= self.prefill_chunk else Cycle([], 0, [])
+
+    def prefill(self, seq: Sequence) -> Cycle | None:
+        """The next chunk of seq's prompt through the target (alone, into its own cache); after the last one, its first
+        token and its row in the batch → its first-token Cycle (None while chunks remain)."""
+        st, s = seq.state, seq.settings
+        a, b = seq.prefilled, min(seq.prefilled + self.prefill_chunk, st.num_prompt_tokens)
         t0 = now(self.device)
-        single = T.new_cache(self.model)
-        out = T.forward(self.model, torch.tensor(prompt_ids, device=self.device), 0, single, self.layer_ids,
+        out = T.forward(self.model, torch.tensor(st.tokens[a:b], device=self.device), a, seq.single, self.layer_ids,
                         logits_to_keep=1)
-        first = pick(out.logits[-1], s.sampling, gen)
         if self.layer_ids:
-            state.add_pending(out.features)
-        state.tokens.append(first)
-        state.position = len(prompt_ids)
-        seq.timing.prefill_s = now(self.device) - t0
-        new, seq.stopped = truncate([first], set(s.stop_token_ids), room)
+            st.add_pending(out.features)
+        seq.prefilled = b
+        if b < st.num_prompt_tokens:
+            seq.timing.prefill_s += now(self.device) - t0
+            return None
+        self.joining.remove(seq)
+        first = pick(out.logits[-1], s.sampling, seq.gen)
+        st.tokens.append(first)
+        st.position = b
+        seq.timing.prefill_s += now(self.device) - t0
+        new, seq.stopped = truncate([first], set(s.stop_token_ids), seq.room)
         seq.emit(new)
         if not seq.done:  # a sequence done at its first token never takes a row
-            self.cache.add_row(single)
+            self.cache.add_row(seq.single)
             self.active.append(seq)
-        return seq, Cycle([], 0, new)
+        seq.single = None
+        return Cycle([], 0, new)
+
+    def drop(self, rows: list[int]) -> None:
+        """Take these rows out of the cache and the batch (the cache refills holes from the end: follow its order)."""
+        order = self.cache.remove_rows(rows)
+        self.active = [self.active[i] for i in order]
 
     def leave(self, seq: Sequence) -> None:
         """Drop a sequence before it is done (a cancelled request)."""
         if seq in self.active:
-            self.cache.remove_rows([self.active.index(seq)])
-            self.active.remove(seq)
+            self.drop([self.active.index(seq)])
+        if seq in self.joining:
+            self.joining.remove(seq)
+
+    @property
+    def busy(self) -> bool:
+        """Whether step() has work: rows to decode or prompts still being prefilled."""
+        return bool(self.active or self.joining)
 
     # ---------------------------------------------------------------- one cycle
 
     @torch.inference_mode()
     def step(self) -> list[tuple[Sequence, Cycle]]:
-        """One cycle for every active sequence; finished ones leave the batch (still reported here)."""
+        """One cycle for every active sequence; finished ones leave the batch (still reported here). A row that raises
+        in its own part of the cycle (its draft choice, its acceptance) gets `error` set and leaves with an empty
+        Cycle; the others go on. What fails in the shared passes (drafter, verify) raises."""
+        joined = self.prefill_next()
         rows = self.active
         if not rows:
-            return []
+            return joined
         widths = self.widths(rows)
         t1 = now(self.device)
         proposals, drafting = self.propose(rows, widths)
+        failed = [(q, Cycle([], 0, [])) for q in rows if q.error is not None]
+        if failed:  # out of the batch before the verify
+            order = self.cache.remove_rows([i for i, q in enumerate(rows) if q.error is not None])
+            proposals = [proposals[i] for i in order]
+            rows = self.active = [rows[i] for i in order]
+            if not rows:
+                return joined + failed
         t2 = now(self.device)
         blocks = [[q.state.tokens[-1]] + p.drafts.tolist() for q, p in zip(rows, proposals)]
         outs = forward_batch(self.model, blocks, [p.parents for p in proposals], self.cache, self.layer_ids)
         t3 = now(self.device)
-        results = [(q, self.commit(i, q, p, out, blocks[i])) for i, (q, p, out) in
-                   enumerate(zip(rows, proposals, outs))]
+        results = [(q, self.guarded(q, self.commit, i, q, p, out, blocks[i]) or Cycle(blocks[i], 0, []))
+                   for i, (q, p, out) in enumerate(zip(rows, proposals, outs))]
         self.policy.observe(len(rows), max(len(b) for b in blocks), now(self.device) - t2, drafting, t2 - t1)
         for q, _ in results:
             q.timing.draft_s += (t2 - t1) / len(rows)
             q.timing.verify_s += (t3 - t2) / len(rows)
         finished = [i for i, q in enumerate(rows) if q.done]
         if finished:
-            self.cache.remove_rows(finished)
-            self.active = [q for q in rows if not q.done]
-        return results
+            self.drop(finished)
+        return joined + failed + results
+
+    def prefill_next(self) -> list[tuple[Sequence, Cycle]]:
+        """One prefill chunk of the longest-waiting joining prompt (so a long prompt stalls the batch for a chunk per
+        cycle, not for its whole prefill) → its first-token Cycle once it has joined, or its error."""
+        if not self.joining:
+            return []
+        seq = self.joining[0]
+        cycle = self.guarded(seq, self.prefill, seq)
+        if seq.error is not None:
+            self.joining.remove(seq)
+            return [(seq, Cycle([], 0, []))]
+        return [(seq, cycle)] if cycle is not None else []
+
+    @staticmethod
+    def guarded(q: Sequence, fn, *args):
+        """fn(*args) for row q; None with q.error set when it raises, so that one row's fault (NaN logits, a bug in
+        its sampler) ends only that row."""
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - any fault of the row is reported on the row
+            q.error = e
+            return None
 
     def widths(self, rows: list[Sequence]) -> list[int]:
         """Each row's verify width this cycle: the policy's for greedy rows; a sampled row always verifies its whole
@@ -168,8 +234,9 @@ class BatchDecoder:
     def trees(self, q: Sequence) -> bool:
         return bool(q.settings.tree) and q.settings.greedy and q.loop is None
 
-    def propose(self, rows: list[Sequence], widths: list[int]) -> tuple[list[Proposal], int]:
-        """Each row's proposal for its width; rows the drafter serves share batched passes → (proposals, rows drafted)."""
+    def propose(self, rows: list[Sequence], widths: list[int]) -> tuple[list[Proposal | None], int]:
+        """Each row's proposal for its width; rows the drafter serves share batched passes → (proposals, rows
+        drafted); None for a row whose own part raised (its `error` is set)."""
         proposals: list[Proposal | None] = [None] * len(rows)
         looks: list[Proposal | None] = [None] * len(rows)  # grafted onto trees after the drafter pass
         need: dict[int, list[int]] = {}  # drafter block size → rows
@@ -179,16 +246,18 @@ class BatchDecoder:
             if w <= 1 or b <= 1:
                 proposals[i] = no_drafts(self.device)
                 continue
-            look = looks[i] = self.lookup(q, w) if q.settings.lookup else None
+            look = looks[i] = self.guarded(q, self.lookup, q, w) if q.settings.lookup else None
+            if q.error is not None:
+                continue
             if look is not None and not (q.settings.lookup == "tree" and self.trees(q)):
                 proposals[i] = look
             elif q.loop is not None:
-                proposals[i] = q.loop.propose(st, start, b)
+                proposals[i] = self.guarded(q, q.loop.propose, st, start, b)
             else:
                 need.setdefault(max(b, 2), []).append(i)
         for b, idx in need.items():
             for i, p in zip(idx, self.drafter_pass([rows[i] for i in idx], b, [widths[i] for i in idx])):
-                proposals[i] = graft(p, looks[i]) if looks[i] is not None else p
+                proposals[i] = graft(p, looks[i]) if looks[i] is not None and p is not None else p
         drafted = sum(len(v) for v in need.values()) + sum(q.loop is not None and widths[i] > 1
                                                             for i, q in enumerate(rows))
         return proposals, drafted
@@ -216,9 +285,9 @@ class BatchDecoder:
         for q, h, lg, w in zip(rows, hidden[:, 1:], logits, widths):
             anchor = q.state.tokens[-1]
             if self.trees(q):
-                out.append(tree_from_pass(d, h, lg, anchor, min(q.settings.tree, w - 1)))
+                out.append(self.guarded(q, tree_from_pass, d, h, lg, anchor, min(q.settings.tree, w - 1)))
             else:
-                out.append(chain_from_pass(d, h, lg, anchor, q.settings.sampling, q.draft_gen))
+                out.append(self.guarded(q, chain_from_pass, d, h, lg, anchor, q.settings.sampling, q.draft_gen))
         return out
 
     def commit(self, row: int, q: Sequence, p: Proposal, out: T.TargetOutput, block: list[int]) -> Cycle:
@@ -255,11 +324,14 @@ def generate_batch(model: PreTrainedModel, drafter: DFlashDrafter | None, prompt
         raise FlashdraftError(f"{len(per)} settings for {len(prompts)} prompts; give one, or one per prompt")
     if max_batch is not None and max_batch < 1:
         raise FlashdraftError(f"max_batch must be >= 1, got {max_batch}")
-    dec = BatchDecoder(model, drafter, settings_from(per[0] if per else None, **overrides), adaptive)
+    dec = BatchDecoder(model, drafter, settings_from(per[0] if per else None, **overrides), adaptive,
+                       slots=min(max_batch or len(prompts), len(prompts)) or 1)
     seqs, waiting = [], list(range(len(prompts)))
-    while waiting or dec.active:
-        while waiting and (max_batch is None or len(dec.active) < max_batch):
+    while waiting or dec.busy:
+        while waiting and (max_batch is None or len(dec.active) + len(dec.joining) < max_batch):
             i = waiting.pop(0)
             seqs.append(dec.join(prompts[i], settings_from(per[i], **overrides), key=i)[0])
-        dec.step()
+        for q, _ in dec.step():
+            if q.error is not None:  # every prompt was asked for: one that fails fails the call
+                raise q.error
     return [dec.result(q) for q in sorted(seqs, key=lambda q: q.key)]

@@ -22,7 +22,7 @@ class LlamaCppTiming:
     """The server's own timings (no HTTP); tokens_per_s is the decode rate: tokens after the first / generation time."""
 
     prefill_s: float
-    draft_s: float
+    draft_s: float | None  # None: plain decoding, or llama-server logged no draft timer (missing, not zero)
     total_s: float
     tokens_per_s: float
 
@@ -35,7 +35,7 @@ class LlamaCppResult:
     num_prompt_tokens: int
     prompt_ms: float  # the server's prefill time
     predicted_ms: float  # its generation time
-    draft_ms: float | None  # its drafting time (None: plain decoding)
+    draft_ms: float | None  # its drafting time (None: plain decoding, or not in the server's log)
     config: dict
     acceptance_lengths: list[int] = field(default_factory=list)  # per cycle: drafts accepted + 1 (DFlash only)
     text: str = ""
@@ -47,7 +47,8 @@ class LlamaCppResult:
     @property
     def timing(self) -> LlamaCppTiming:
         tok_s = (max(len(self.output_ids) - 1, 0) / (self.predicted_ms / 1000) if self.predicted_ms > 0 else 0.0)
-        return LlamaCppTiming(self.prompt_ms / 1000, (self.draft_ms or 0.0) / 1000,
+        draft_s = None if self.draft_ms is None else self.draft_ms / 1000
+        return LlamaCppTiming(self.prompt_ms / 1000, draft_s,
                               (self.prompt_ms + self.predicted_ms) / 1000, tok_s)
 
     def to_record(self) -> dict:

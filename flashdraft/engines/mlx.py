@@ -4,6 +4,7 @@ reference BLAS)."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -59,7 +60,13 @@ class MlxEngine:
             mx_drafter = from_torch(torch_drafter, DTYPES[dtype])
         elif not plain and settings.block_size not in (None, 1):
             raise FlashdraftError(f"--block-size {settings.block_size} needs a drafter: pass --drafter DIR or use 1")
-        return cls(target, load_mlx_target(str(resolve_target(target.name)), dtype), mx_drafter, dtype)
+        elif not plain and settings.block_size is None:  # a plain run nobody asked for: say so
+            print(f"flashdraft: no drafter registered for {target.name}; the mlx engine decodes plainly. Pass "
+                  "--drafter DIR (a z-lab format drafter).", file=sys.stderr)
+        mlx_target = load_mlx_target(str(resolve_target(target.name)), dtype)
+        if mx_drafter is not None:
+            mlx_target.capture(list(mx_drafter.config.target_layer_ids))
+        return cls(target, mlx_target, mx_drafter, dtype)
 
     @classmethod
     def from_loaded(cls, target, mlx_target, drafter, dtype: str = "float32") -> MlxEngine:

@@ -4,7 +4,8 @@ DLoop, prompt lookup or trees; it batches, so `generate_many` decodes several pr
 
 What vLLM cannot do on the machine at hand is found out, not assumed: its own refusals (DFlash 2 candidate heads on
 the V1 model runner, which is the only one without Triton, i.e. on its CPU build) become one-line errors, and sampled
-speculative decoding must pass a self-check first (`sampling_defect`).
+speculative decoding must pass a statistical self-check first (`sampling_defect`: a chi-square test of its samples
+against the target's distribution).
 """
 
 from __future__ import annotations
@@ -145,38 +146,90 @@ def sampling_params(settings: DecodeSettings, stop_ids: list[int]):
     return SamplingParams(temperature=s.temperature, top_k=s.top_k or -1, top_p=s.top_p, seed=s.seed, **common)
 
 
-def result_of(out, config: dict) -> VllmResult:
-    """A VllmResult from one vLLM RequestOutput (times from its own stats; acceptance from its spec counters)."""
+def result_of(out, config: dict, speculative: bool = False) -> VllmResult:
+    """A VllmResult from one vLLM RequestOutput (times from its own stats; acceptance from its spec counters, which a
+    speculative request must have: without them τ is unknown, not 1)."""
     c, m = out.outputs[0], out.metrics
     if m is None:
         raise RuntimeError("vLLM returned no request stats (the engine must run with disable_log_stats=False)")
     spec = getattr(c, "spec_decode_metrics", None)
+    if speculative and spec is None:
+        raise FlashdraftError("vLLM returned no speculative decoding counters for this request, so its acceptance "
+                              "(τ) is unknown; use a vLLM with per_request_spec_decode_metrics (`make vllm`) or "
+                              "--engine torch")
     acc = [a + 1 for a in spec.per_step_accepted] if spec is not None else []
     return VllmResult(list(c.token_ids), len(out.prompt_token_ids), max(m.first_token_latency, 0.0), m.first_token_ts,
                       max(m.last_token_ts, m.first_token_ts), config, acc)
 
 
-def sampling_defect(llm, target, seed: int = 0, tokens: int = 24, top_k: int = 4) -> str | None:
-    """Why sampled speculative decoding is broken in this vLLM, or None: sample `tokens` at temperature 1 with
-    top-k and check every token is among the target's own top-k at its position (flashdraft's torch target scores
-    them). A correct sampler cannot fail this; the CPU build's defect fails at once (or raises)."""
+SELF_CHECK_PROMPT = "Name three colours and one animal."
+SELF_CHECK_SAMPLES = 400  # seeded two-token requests, decoded as one vLLM batch (about a second on a GPU)
+SELF_CHECK_ALPHA = 1e-3  # a correct sampler fails about one set of seeds in a thousand (and the seeds are fixed)
+
+
+def exact_pairs(target, ids: list[int], top_k: int) -> dict[tuple[int, int], float]:
+    """P(first, second token | ids) of plain sampling from the target at temperature 1 with top-k (torch, exact)."""
     import torch
+
+    from ..sampling import SamplingParams, process
+
+    params, out = SamplingParams(1.0, top_k), {}
+    with torch.inference_mode():
+        dev = target.model.device
+        p1 = process(target.model(torch.tensor([ids], device=dev)).logits[0, -1], params)
+        firsts = [int(t) for t in p1.nonzero().flatten()]
+        rows = target.model(torch.tensor([ids + [t] for t in firsts], device=dev)).logits[:, -1]
+        for a, p2 in zip(firsts, process(rows, params)):
+            for b in p2.nonzero().flatten().tolist():
+                out[(a, b)] = float(p1[a]) * float(p2[b])
+    return out
+
+
+def chi_square_p(counts: dict, exact: dict[tuple, float]) -> float:
+    """Goodness-of-fit p-value of counts against exact probabilities (cells expected below 5 pooled into one)."""
+    import torch
+
+    n = sum(counts.values())
+    big = [k for k, p in exact.items() if p * n >= 5]
+    obs, exp = [counts.get(k, 0) for k in big], [exact[k] * n for k in big]
+    if n - sum(exp) > 1e-9:
+        obs.append(n - sum(obs))
+        exp.append(n - sum(exp))
+    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
+    if len(obs) < 2:
+        return 1.0
+    return float(torch.special.gammaincc(torch.tensor((len(obs) - 1) / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def sampling_defect(llm, target, seed: int = 0, samples: int = SELF_CHECK_SAMPLES, top_k: int = 4) -> str | None:
+    """Why sampled speculative decoding is wrong in this vLLM, or None: `samples` seeded requests of two tokens at
+    temperature 1 with top-k (the second token is the first one speculative verification decides), their joint
+    distribution tested against the target's own (torch, exact; top_k² cells) by chi-square. A token outside the
+    target's top-k fails at once (the CPU build's defect); a sampler that keeps wrong drafts fails the test."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    ids = target.encode("Name three colours and one animal.")
-    params = SamplingParams(temperature=1.0, top_k=top_k, seed=seed, max_tokens=tokens, ignore_eos=True,
-                            detokenize=False)
+    ids = target.encode(SELF_CHECK_PROMPT)
+    params = [SamplingParams(temperature=1.0, top_k=top_k, seed=seed + i, max_tokens=2, ignore_eos=True,
+                             detokenize=False) for i in range(samples)]
     try:
-        out = list(llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0].outputs[0].token_ids)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=ids)] * samples, params, use_tqdm=False)
+        pairs = [tuple(o.outputs[0].token_ids[:2]) for o in outs]
     except Exception as e:  # a sampler reading garbage parameters may index out of range
         return f"sampling raised {type(e).__name__}: {' '.join(str(e).split())[:120]}"
-    with torch.inference_mode():
-        logits = target.model(torch.tensor([ids + out], device=target.model.device)).logits[0, len(ids) - 1:-1]
-    allowed = logits.float().topk(top_k + 1, -1).values[:, -2:-1]  # the k-th value (+1 guards an exact tie)
-    chosen = logits.float().gather(-1, torch.tensor(out, device=logits.device)[:, None])
-    bad = int((chosen < allowed).sum())
-    return f"{bad} of {len(out)} sampled tokens fall outside the target's top-{top_k}" if bad else None
+    exact = exact_pairs(target, ids, top_k)
+    outside = sum(p not in exact for p in pairs)
+    if outside:
+        return f"{outside} of {samples} sampled token pairs fall outside the target's top-{top_k}"
+    counts: dict[tuple, int] = {}
+    for p in pairs:
+        counts[p] = counts.get(p, 0) + 1
+    pvalue = chi_square_p(counts, exact)
+    if pvalue < SELF_CHECK_ALPHA:
+        return (f"{samples} samples do not follow the target's distribution (chi-square p = {pvalue:.1e} < "
+                f"{SELF_CHECK_ALPHA:g})")
+    return None
 
 
 class VllmEngine:
@@ -251,7 +304,7 @@ class VllmEngine:
                                        sampling_params(settings, stops), use_tqdm=False)
         config = {"engine": "vllm", "block_size": self.block_size, "batch": len(prompts),
                   **({"drafter": str(self.drafter)} if self.drafter else {})}
-        results = [result_of(o, config) for o in outs]
+        results = [result_of(o, config, speculative=self.drafter is not None) for o in outs]
         for r in results:
             r.text = self.target.decode(r.output_ids)
         return results
@@ -266,10 +319,11 @@ class VllmEngine:
 
     def describe(self, result: VllmResult) -> str:
         """The summary line's account of a generation."""
-        acc = result.acceptance_lengths
-        tau = sum(acc) / len(acc) if acc else 1.0
-        return (f"τ {tau:.2f} over {len(acc)} cycles, {result.timing.tokens_per_s:.1f} tok/s "
-                f"(vLLM, block {self.block_size}, {self.dtype})")
+        acc, rate = result.acceptance_lengths, f"{result.timing.tokens_per_s:.1f} tok/s"
+        if self.drafter is None:
+            return f"plain decoding, {rate} (vLLM, {self.dtype})"
+        tau = f"τ {sum(acc) / len(acc):.2f}" if acc else "τ unknown (no verify step)"
+        return f"{tau} over {len(acc)} cycles, {rate} (vLLM, block {self.block_size}, {self.dtype})"
 
     def close(self) -> None:
         """Stop vLLM's engine and free its KV cache."""

@@ -145,8 +145,9 @@ class LlamaServer:
             check_counts(out.acceptance_lengths, drafted, t)
         return out
 
-    def read_cycles(self) -> tuple[list[int], int, float]:
-        """Per-cycle acceptance lengths, drafts made and drafting ms of the request just finished, from the log."""
+    def read_cycles(self) -> tuple[list[int], int, float | None]:
+        """Per-cycle acceptance lengths, drafts made and drafting ms of the request just finished, from the log;
+        drafting ms is None when the log has no draft timer line (missing, not zero)."""
         deadline = time.monotonic() + 10
         raw = self.new_log()
         while b"release:" not in raw and time.monotonic() < deadline:  # the log is written asynchronously
@@ -158,7 +159,7 @@ class LlamaServer:
         text = raw.decode(errors="replace")
         counts = [(int(k), int(n)) for k, n in ACCEPTED.findall(text)]
         durs = DRAFT_DUR.findall(text)
-        draft_ms = 0.0
+        draft_ms = None
         if durs:  # cumulative over the server's life
             total = float(durs[-1][1])
             draft_ms, self.draft_total = total - self.draft_total, total

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.utils import load_model
 
 from ..errors import FlashdraftError
@@ -57,11 +57,23 @@ class MlxTarget:
     """An mlx-lm model with its decoder layers, embedding and head at hand."""
 
     model: nn.Module
-    slots: dict[int, SimpleNamespace]  # captured layers → their last output
+    slots: dict[int, SimpleNamespace]  # captured layers → their last output: only the layers a drafter reads
 
     @property
     def inner(self) -> nn.Module:
         return self.model.model
+
+    def capture(self, layer_ids: list[int]) -> None:
+        """Keep the outputs of these decoder layers (HF hidden_states[i + 1]) from now on. Only these: each kept
+        output holds a whole forward's activations of its layer until the next forward."""
+        layers = self.inner.layers
+        missing = [i for i in layer_ids if not 0 <= i < len(layers)]
+        if missing:
+            raise FlashdraftError(f"the drafter reads target layers {missing}; the target has {len(layers)}")
+        for i in layer_ids:
+            if i not in self.slots:
+                self.slots[i] = SimpleNamespace(out=None)
+                layers[i] = Capture(layers[i], self.slots[i])
 
     def embed(self, ids: mx.array) -> mx.array:
         return self.inner.embed_tokens(ids)
@@ -82,9 +94,7 @@ class MlxTarget:
                 keep: int = 0) -> tuple[mx.array, mx.array | None]:
         """ids [n] after the cached positions → (float32 logits [n or keep, V], features [n, len(layer_ids)·h] or
         None); lazy: nothing is evaluated here."""
-        missing = [i for i in layer_ids if i not in self.slots]
-        if missing:
-            raise FlashdraftError(f"the drafter reads target layers {missing}; the target has {len(self.slots)}")
+        self.capture(layer_ids)
         x = mx.array(ids) if isinstance(ids, list) else ids
         h = self.inner(x[None], cache)[0]  # final-normed hidden [n, h]
         logits = self.head(h[-keep:] if keep else h).astype(mx.float32)
@@ -95,7 +105,16 @@ class MlxTarget:
 def trim(cache: list, n: int) -> None:
     """Drop the last n cached positions (rejected drafts)."""
     if n > 0 and trim_prompt_cache(cache, n) != n:
-        raise RuntimeError(f"the mlx-lm cache could not drop {n} positions")
+        raise FlashdraftError(f"the mlx-lm cache could not drop {n} rejected positions (a cache that stops being "
+                              "trimmable mid-generation); use --engine torch")
+
+
+def untrimmable(cache: list) -> list[str]:
+    """The kinds of cache layers that cannot roll back rejected drafts: those mlx-lm cannot trim, and sliding-window
+    (rotating) ones, which can only until their window fills."""
+    if can_trim_prompt_cache(cache) and not any(hasattr(c, "max_size") for c in cache):
+        return []
+    return sorted({type(c).__name__ for c in cache if not c.is_trimmable() or hasattr(c, "max_size")})
 
 
 def cache_length(cache: list) -> int:
@@ -104,8 +123,9 @@ def cache_length(cache: list) -> int:
 
 @functools.cache
 def load_mlx_target(path: str | Path, dtype: str) -> MlxTarget:
-    """The mlx-lm model in `path` (a Hugging Face directory) in `dtype`, every layer's output captured (a reference
-    kept, no copy); loaded once per process and shared by plain and drafted engines."""
+    """The mlx-lm model in `path` (a Hugging Face directory) in `dtype`; loaded once per process and shared by plain
+    and drafted engines, each layer a drafter reads captured on first use (`MlxTarget.capture`). A target whose cache
+    mlx-lm cannot trim is refused: speculative decoding rolls back rejected drafts."""
     path = Path(path)
     if not (path / "config.json").is_file():
         from huggingface_hub import snapshot_download  # a hub id: the snapshot transformers already downloaded
@@ -120,11 +140,10 @@ def load_mlx_target(path: str | Path, dtype: str) -> MlxTarget:
         model, _ = load_model(path, model_config=rope_overrides(config))
     except (ValueError, FileNotFoundError) as e:
         raise FlashdraftError(f"mlx-lm cannot load {path}: {e}") from None
+    kinds = untrimmable(make_prompt_cache(model))
+    if kinds:
+        raise FlashdraftError(f"the mlx engine cannot decode {path.name}: mlx-lm cannot roll back its "
+                              f"{', '.join(kinds)} cache layers, which rejected drafts need; use --engine torch")
     model.set_dtype(DTYPES[dtype])
-    layers = model.model.layers
-    slots = {}
-    for i in range(len(layers)):
-        slots[i] = SimpleNamespace(out=None)
-        layers[i] = Capture(layers[i], slots[i])
     mx.eval(model.parameters())
-    return MlxTarget(model, slots)
+    return MlxTarget(model, {})

@@ -6,6 +6,8 @@ Only this module is imported by `flashdraft --help`; the web stack (the `serve` 
 from __future__ import annotations
 
 import ipaddress
+import logging
+import os
 import socket
 import sys
 
@@ -27,11 +29,30 @@ def check_options(args) -> None:
     for name in ("max_queue",):
         if getattr(args, name) < 0:
             raise FlashdraftError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    for name in ("max_batch", "request_timeout", "shutdown_timeout", "max_body_bytes", "default_max_tokens"):
+    for name in ("max_batch", "request_timeout", "shutdown_timeout", "max_body_bytes", "default_max_tokens",
+                 "max_connections", "body_timeout"):
         if not getattr(args, name) > 0:
             raise FlashdraftError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     if args.block_size is not None and args.block_size < 1:
         raise FlashdraftError(f"block size must be >= 1, got {args.block_size}")
+    if args.engine == "vllm" and args.allowed_hosts:
+        raise FlashdraftError("--allowed-hosts is for --engine torch (vLLM's server does not check the Host header)")
+    if args.api_key is not None and not args.api_key.strip():
+        raise FlashdraftError("--api-key is empty; give the key clients must send, or leave the flag out")
+    for name in hosts_list(args):
+        if "*" in name[1:] or (name.startswith("*") and name != "*" and not name.startswith("*.")):
+            raise FlashdraftError(f"--allowed-hosts: {name!r} is not a host name (a wildcard may only start a name, "
+                                  "as *.example.com)")
+
+
+def hosts_list(args) -> list[str]:
+    """--allowed-hosts as a list of lower-case names."""
+    return [h.strip().lower() for h in (args.allowed_hosts or "").split(",") if h.strip()]
+
+
+def api_key(args) -> str | None:
+    """--api-key, else $FLASHDRAFT_API_KEY (as vLLM reads VLLM_API_KEY), else None."""
+    return args.api_key or os.environ.get("FLASHDRAFT_API_KEY") or None
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -55,11 +76,11 @@ def cmd_serve(args) -> int:
     if args.engine == "vllm":
         from .vllm import cmd_serve_vllm
 
-        return cmd_serve_vllm(args)
+        return cmd_serve_vllm(args, api_key(args))
     try:
         import uvicorn
 
-        from .app import GracefulServer, create_app
+        from .app import GracefulServer, allowed_hosts, create_app
     except ImportError as e:
         raise FlashdraftError(f"flashdraft serve needs the serve extra ({e.name} is missing): "
                               "pip install 'flashdraft[serve]'") from None
@@ -75,10 +96,11 @@ def cmd_serve(args) -> int:
     target = load_target(args.target, dtype=args.dtype, device=device)
     drafter = load_drafter_or_plain(target, args.drafter, args.block_size)
     engine = Engine(target, drafter, settings, args.max_batch, adaptive=not args.fixed_block)
-    limits = Limits(args.max_queue, args.request_timeout, args.max_body_bytes, args.shutdown_timeout)
+    limits = Limits(args.max_queue, args.request_timeout, args.max_body_bytes, args.shutdown_timeout, args.body_timeout)
     scheduler = Scheduler(engine, limits)
     model_id = args.served_model_name or served_name(args.target)
-    app = create_app(scheduler, Served([model_id], target, args.default_max_tokens, engine.tokens))
+    key, hosts = api_key(args), allowed_hosts(args.host, hosts_list(args))
+    app = create_app(scheduler, Served([model_id], target, args.default_max_tokens, engine.tokens), key, hosts)
 
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
@@ -89,10 +111,14 @@ def cmd_serve(args) -> int:
     if engine.max_batch < args.max_batch:
         print("flashdraft: note: the target has sliding-window layers, which cannot be batched: decoding one request "
               "at a time", file=sys.stderr)
-    if not is_loopback(args.host):
-        print("flashdraft: warning: listening beyond loopback; the server has no authentication", file=sys.stderr)
+    if not is_loopback(args.host) and key is None:
+        print("flashdraft: warning: listening beyond loopback without --api-key: anyone who can reach the port may "
+              "use the server", file=sys.stderr)
+    # the tracebacks of failed requests go to stderr (clients get only the request id)
+    logging.basicConfig(format="flashdraft: %(levelname)s: %(message)s", level=logging.WARNING)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=limits.shutdown_timeout + 5)
+                            timeout_graceful_shutdown=limits.shutdown_timeout + 5,
+                            limit_concurrency=args.max_connections)
     GracefulServer(config, scheduler).run(sockets=[sock])
     print("flashdraft: server stopped", file=sys.stderr, flush=True)
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 import queue
 import threading
 import time
@@ -18,6 +19,8 @@ from ..decoding import Cycle, DecodeSettings, GenerationResult, Session, mean_ac
 from ..decoding.batch import BatchDecoder
 from ..models import Target
 from ..target_batch import supports_batch
+
+log = logging.getLogger("flashdraft.serve")
 
 RATE_WINDOW_S = 10.0  # /metrics tokens per second: output tokens over this many recent seconds
 HOLD_IDS = 64  # the detokenizer's window never waits for a character to complete over more ids than this
@@ -91,6 +94,12 @@ class Job:
     tracker: TextTracker | None = None
     queue_s: float = 0.0
     batch: int = 1
+    rid: str = ""  # the response id: the client's 500 names it, the server log has the traceback under it
+
+    @property
+    def live(self) -> bool:
+        """Still to be decoded: neither ended by the worker nor cancelled (a place in the admission bound)."""
+        return self.state != "ended" and not self.cancel.is_set()
 
     def abort(self, reason: str) -> None:
         """Ask the worker to drop the job at the next cycle boundary (the first reason wins)."""
@@ -99,7 +108,7 @@ class Job:
             self.cancel.set()
 
     def emit(self, kind: str, payload) -> None:
-        """Thread-safe: ("delta", text), ("done", Outcome) or ("aborted" | "error", reason / message)."""
+        """Thread-safe: ("delta", text), ("done", Outcome), ("aborted", reason) or ("error", request id)."""
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
         except RuntimeError:  # the event loop has closed (shutdown): nobody is listening
@@ -109,43 +118,61 @@ class Job:
 class TextTracker:
     """Incremental detokenization (as vLLM / TextIteratorStreamer): each cycle decodes only a window of recent ids,
     hands out text only once it cannot change (no half character, no trailing space a later token may clean up, no
-    partial stop string), and cuts the output at the first stop string."""
+    partial stop string), and cuts the output at the first stop string. The work per cycle is bounded by the window
+    and the longest stop string, never by the output's length: the settled text is kept in pieces, joined once."""
 
     def __init__(self, decode_ids: Callable[[list[int]], str], stops: list[str]):
         self.decode, self.stops = decode_ids, stops
         self.longest = max(map(len, stops), default=0)
         self.ids: list[int] = []
-        self.text = ""  # the text of ids (without a trailing incomplete character)
+        self.parts: list[str] = []  # the text before `base`, never looked at again until the end
+        self.base = 0  # where `head` starts: min(sent, fixed - longest + 1), what a stop or a delta may reach back to
+        self.head = ""  # the text from `base` to `fixed` (final: its ids are never decoded again)
+        self.tail = ""  # the window's text after `fixed` (without a trailing incomplete character)
         self.sent = 0
         self.stopped = False
         self.prefix = self.read = 0  # the window: ids[prefix:read] decode to the text before `fixed`
         self.fixed = 0
 
+    @property
+    def text(self) -> str:
+        """The text so far (cut before the stop string once stopped)."""
+        return "".join(self.parts) + self.head + self.tail
+
     def add(self, new: list[int]) -> str:
         """Take newly emitted ids; return the text that may be sent now."""
-        base = len(self.ids)
+        start = len(self.ids)
         self.ids.extend(new)
         piece, settled = self._window(len(self.ids))
-        text = self.text[:self.fixed] + piece
-        cut = self._find_stop(text)
+        cut = self._find_stop(piece)
         if cut is None:
-            self.text = text
+            self.tail = piece
             if settled or len(self.ids) - self.prefix > HOLD_IDS:
-                self.prefix, self.read, self.fixed = self.read, len(self.ids), len(text)
+                self._settle()
             return self._take(self._settled_end())
         # a block can run past the stop string: keep the fewest ids whose text already contains it
-        for k in range(base + 1, len(self.ids) + 1):
-            if self._find_stop(self.text[:self.fixed] + self._window(k)[0]) is not None:
+        for k in range(start + 1, len(self.ids) + 1):
+            if self._find_stop(self._window(k)[0]) is not None:
                 del self.ids[k:]
                 break
-        self.text, self.stopped = text[:cut], True
-        return self._take(len(self.text))
+        local = (self.head + piece)[:cut - self.base]  # the stop may begin before `fixed`, never before `base`
+        self.head, self.tail, self.fixed, self.stopped = local, "", self.base + len(local), True
+        return self._take(self.fixed)
 
     def finish(self) -> str:
         """The text still held back (sent when the generation ends)."""
         if not self.stopped and self.read < len(self.ids):
-            self.text = self.text[:self.fixed] + self._window(len(self.ids), final=True)[0]
-        return self._take(len(self.text))
+            self.tail = self._window(len(self.ids), final=True)[0]
+        return self._take(self.fixed + len(self.tail))
+
+    def _settle(self) -> None:
+        """The window's text is final: move it into `head`, and what no stop or delta can reach into `parts`."""
+        self.prefix, self.read = self.read, len(self.ids)
+        self.head, self.fixed, self.tail = self.head + self.tail, self.fixed + len(self.tail), ""
+        keep_from = max(self.base, min(self.sent, self.fixed - max(self.longest - 1, 0)))
+        if keep_from > self.base:
+            self.parts.append(self.head[:keep_from - self.base])
+            self.head, self.base = self.head[keep_from - self.base:], keep_from
 
     def _window(self, end: int, final: bool = False) -> tuple[str, bool]:
         """(text of ids[read:end] in the context of ids[prefix:read], whether it is settled); unless final, without
@@ -157,37 +184,55 @@ class TextTracker:
         piece = new.rstrip("\ufffd")
         return piece, piece == new and not piece[-1:].isspace()
 
-    def _find_stop(self, text: str) -> int | None:
-        start = max(0, self.fixed - self.longest + 1)  # text before `fixed` was searched in earlier cycles
-        hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
-        return min(hits) if hits else None
+    def _find_stop(self, piece: str) -> int | None:
+        """Where the first stop string begins in the text with `piece` after `fixed` (an absolute offset), or None."""
+        if not self.stops:
+            return None
+        frm = max(0, self.fixed - self.longest + 1) - self.base  # text before this was searched in earlier cycles
+        local = self.head[frm:] + piece
+        hits = [i for i in (local.find(s) for s in self.stops) if i >= 0]
+        return self.base + frm + min(hits) if hits else None
 
     def _settled_end(self) -> int:
-        end = len(self.text)
-        while end > self.sent and self.text[end - 1].isspace():  # a trailing space waits: the next token may
-            end -= 1  # clean it up (" ." → ".")
-        for s in self.stops:  # hold back a tail that may grow into a stop string
-            for n in range(min(len(s) - 1, len(self.text)), 0, -1):
-                if self.text.endswith(s[:n]):
-                    end = min(end, len(self.text) - n)
+        """How far the text may be sent: not a trailing space that the next token may clean up (" ." → ".") inside
+        the window, nor a tail that may grow into a stop string."""
+        local = self.head + self.tail
+        end = self.base + len(local)
+        floor = max(self.sent, self.fixed)  # text before `fixed` is final: its spaces cannot change
+        while end > floor and local[end - 1 - self.base].isspace():
+            end -= 1
+        return min(end, self.base + len(local) - self._partial_stop(local))
+
+    def _partial_stop(self, local: str) -> int:
+        """The length of the longest end of local that begins a stop string (0 if none)."""
+        hold = 0
+        for s in self.stops:
+            tail = local[len(local) - len(s) + 1:] if len(s) > 1 else ""
+            i = tail.find(s[0])
+            while 0 <= i and len(tail) - i > hold:  # the first hit is the longest candidate
+                if s.startswith(tail[i:]):
+                    hold = len(tail) - i
                     break
-        return end
+                i = tail.find(s[0], i + 1)
+        return hold
 
     def _take(self, end: int) -> str:
-        delta = self.text[self.sent:end] if end > self.sent else ""
+        local = self.head + self.tail
+        delta = local[self.sent - self.base:end - self.base] if end > self.sent else ""
         self.sent = max(self.sent, end)
         return delta
 
 
 class Stats:
     """What the worker measures for /metrics: the batch now, batched steps by size, and tokens per second over the
-    last RATE_WINDOW_S seconds. Written by the worker, read by the event loop."""
+    last RATE_WINDOW_S seconds, kept as per-second buckets (bounded memory however many tokens). Written by the
+    worker, read by the event loop."""
 
     def __init__(self):
         self.lock, self.started = threading.Lock(), time.monotonic()
         self.batch = self.steps = self.rows = self.tokens = 0
         self.sizes = dict.fromkeys(BATCH_BUCKETS, 0)  # steps with at most this many rows (cumulative when read)
-        self.recent: deque[tuple[float, int]] = deque()
+        self.recent: deque[list[int]] = deque(maxlen=int(RATE_WINDOW_S) + 1)  # [second, tokens emitted in it]
 
     def step(self, rows: int, tokens: int) -> None:
         with self.lock:
@@ -197,18 +242,22 @@ class Stats:
         self.emitted(tokens)
 
     def emitted(self, tokens: int) -> None:
+        second = int(time.monotonic())
         with self.lock:
             self.tokens += tokens
-            self.recent.append((time.monotonic(), tokens))
+            if self.recent and self.recent[-1][0] == second:
+                self.recent[-1][1] += tokens
+            else:
+                self.recent.append([second, tokens])
 
     def tokens_per_s(self) -> float:
-        """Output tokens per second over the last RATE_WINDOW_S seconds (less since the start)."""
+        """Output tokens per second over the last RATE_WINDOW_S seconds (the current one partly; less since the
+        start)."""
         t = time.monotonic()
+        first = int(t) - int(RATE_WINDOW_S) + 1
         with self.lock:
-            while self.recent and self.recent[0][0] < t - RATE_WINDOW_S:
-                self.recent.popleft()
-            n = sum(k for _, k in self.recent)
-        return n / max(min(RATE_WINDOW_S, t - self.started), 1e-3)
+            n = sum(k for second, k in self.recent if second >= first)
+        return n / max(min(t - first, t - self.started), 1e-3)
 
 
 class SoloDecoder:
@@ -224,13 +273,24 @@ class SoloDecoder:
         return seq, cycle
 
     def step(self) -> list[tuple[Session, Cycle]]:
-        out = [(seq, seq.step()) for seq in self.active]
-        self.active = [seq for seq in self.active if not seq.done]
+        """One cycle of the one session; what it raises is set as its `error` (as BatchDecoder reports a row's)."""
+        out = []
+        for seq in self.active:
+            try:
+                out.append((seq, seq.step()))
+            except Exception as e:  # noqa: BLE001 - reported on the request, as BatchDecoder's rows are
+                seq.error = e
+                out.append((seq, Cycle([], 0, [])))
+        self.active = [seq for seq in self.active if not seq.done and getattr(seq, "error", None) is None]
         return out
 
     def leave(self, seq: Session) -> None:
         if seq in self.active:
             self.active.remove(seq)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.active)
 
     def result(self, seq: Session) -> GenerationResult:
         return seq.finish()
@@ -285,19 +345,23 @@ class Engine:
         self.tokens.get()  # this thread's tokenizer copy, made before the first request needs it
         while self.admit(dec):
             self.sweep(dec)
-            if not dec.active:
+            if not dec.busy:
                 continue
             try:
                 results = dec.step()
-            except Exception as e:  # the batch's state is unknown: fail its requests, start a fresh decoder
+            except Exception as e:  # a shared pass failed: the batch's state is unknown, fail its requests, start anew
+                log.error("a batched cycle failed; ending its requests %s", [j.rid for j in self.live], exc_info=e)
                 for job in list(self.live):
-                    self.end(job, "error", f"{type(e).__name__}: {e}")
+                    self.end(job, "error", job.rid)
                 dec = self.decoder()
                 continue
             self.stats.step(len(results), sum(len(c.emitted) for _, c in results))
             for seq, cycle in results:
                 seq.key.batch = max(seq.key.batch, len(results))
-                self.advance(dec, seq.key, cycle)
+                if getattr(seq, "error", None) is not None:  # that row left the batch; the others went on
+                    self.fail(dec, seq.key, seq.error)
+                else:
+                    self.advance(dec, seq.key, cycle)
 
     def admit(self, dec: Decoder) -> bool:
         """Join waiting jobs while there are free rows (waiting for one when idle); False once stopped."""
@@ -320,7 +384,7 @@ class Engine:
         try:
             job.seq, cycle = dec.join(job.request.prompt_ids, self.settings_for(job.request), key=job)
         except Exception as e:  # reported to the client as a 500; the others keep decoding
-            return self.end(job, "error", f"{type(e).__name__}: {e}")
+            return self.fail(dec, job, e)
         job.state = "running"
         self.live.append(job)
         self.stats.batch = len(self.live)
@@ -345,9 +409,15 @@ class Engine:
             if job.tracker.stopped or job.seq.done:
                 dec.leave(job.seq)
                 self.end(job, "done", self.outcome(dec, job))
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - this request's fault only
+            self.fail(dec, job, e)
+
+    def fail(self, dec: Decoder, job: Job, e: BaseException) -> None:
+        """End job with a 500 that names only its request id; the traceback goes to the server log."""
+        log.error("request %s failed while decoding", job.rid, exc_info=e)
+        if job.seq is not None:
             dec.leave(job.seq)
-            self.end(job, "error", f"{type(e).__name__}: {e}")
+        self.end(job, "error", job.rid)
 
     def outcome(self, dec: Decoder, job: Job) -> Outcome:
         tracker = job.tracker

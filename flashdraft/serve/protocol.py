@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .. import target as T
 from ..models import Target
@@ -29,9 +29,17 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+MAX_STOPS = 4  # as the OpenAI API
+MAX_STOP_CHARS = 256  # a stop string is matched against every cycle's new text: its length bounds that work
+MAX_SEED = 2 ** 63 - 1
+MAX_TEMPERATURE = 100.0  # sampling is uniform noise long before this; beyond it logits / T stops being finite
+MAX_TOP_K = 2 ** 31 - 1
+
+
 class _Strict(BaseModel):
-    # strict: "5" is not an int and true is not a number; unknown fields are ignored (clients send many)
-    model_config = ConfigDict(strict=True, extra="allow")
+    # strict: "5" is not an int and true is not a number; unknown fields are ignored (clients send many);
+    # allow_inf_nan=False: 1e309 parses as infinity and NaN is Python's JSON, and neither may reach the sampler
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
 
 class TextPart(_Strict):
@@ -49,14 +57,16 @@ class StreamOptions(_Strict):
 
 
 class Common(_Strict):
+    # the ranges are checked here and published in the OpenAPI schema; the context bound is checked in _max_tokens
     model: str | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE, description="0 = greedy; default 1")
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K, description="0 or -1 = off")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="default: a fresh one, returned")
+    stop: str | list[str] | None = Field(None, description=f"up to {MAX_STOPS} strings of 1 to {MAX_STOP_CHARS} "
+                                                           "characters")
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -85,8 +95,6 @@ UNSUPPORTED = {
     "add_generation_prompt": (None, True), "continue_final_message": FALSE, "documents": EMPTY,
 }
 UNSUPPORTED_PREFIXES = ("guided_",)  # vLLM's guided_json, guided_regex, guided_choice, guided_grammar, …
-MAX_STOPS = 4
-MAX_SEED = 2 ** 63 - 1
 
 
 @dataclass
@@ -163,18 +171,11 @@ def _check_model(req: Common, served: Served) -> str:
 
 
 def _sampling(req: Common) -> tuple[float, float, int, int]:
+    """The request's sampling settings with the defaults filled in (their ranges were checked with the model)."""
     temperature = 1.0 if req.temperature is None else req.temperature
-    if not temperature >= 0:
-        raise ApiError(400, f"temperature must be >= 0, got {temperature}", param="temperature")
     top_p = 1.0 if req.top_p is None else req.top_p
-    if not 0 < top_p <= 1:
-        raise ApiError(400, f"top_p must be in (0, 1], got {top_p}", param="top_p")
     top_k = 0 if req.top_k in (None, -1) else req.top_k  # -1 (vLLM) and 0 both disable top-k
-    if top_k < 0:
-        raise ApiError(400, f"top_k must be >= 0 (0 or -1 disable it), got {top_k}", param="top_k")
     seed = secrets.randbelow(MAX_SEED) if req.seed is None else req.seed  # no seed: a fresh draw, as OpenAI
-    if not 0 <= seed <= MAX_SEED:
-        raise ApiError(400, f"seed must be in 0..{MAX_SEED}, got {seed}", param="seed")
     return temperature, top_p, top_k, seed
 
 
@@ -184,6 +185,9 @@ def _stops(req: Common) -> list[str]:
         raise ApiError(400, f"stop takes at most {MAX_STOPS} strings, got {len(stops)}", param="stop")
     if any(not s for s in stops):
         raise ApiError(400, "stop strings must not be empty", param="stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise ApiError(400, f"stop strings may have at most {MAX_STOP_CHARS} characters, got one of "
+                            f"{max(map(len, stops))}", param="stop")
     return stops
 
 

@@ -7,7 +7,10 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from .engine import BATCH_BUCKETS, Engine, GenRequest, Job, Outcome, Stats
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from .engine import BATCH_BUCKETS, Engine, GenRequest, Job, Outcome
 from .protocol import ApiError
 
 OUTCOMES = ("ok", "bad_request", "rejected", "unavailable", "timeout", "cancelled", "error")
@@ -19,10 +22,11 @@ class Limits:
     request_timeout: float = 300.0  # seconds from admission (waiting included) to the last token
     max_body: int = 1 << 20  # bytes
     shutdown_timeout: float = 30.0  # after SIGTERM, admitted work gets this long before it is cancelled
+    body_timeout: float = 30.0  # seconds a client may take to send its request body; past that: 408
 
 
 class Metrics:
-    """Counters for /metrics (Prometheus text format); only touched from the event loop."""
+    """Request counters (touched from the event loop only), exposed with the worker's Stats by prometheus_client."""
 
     def __init__(self):
         self.requests = dict.fromkeys(OUTCOMES, 0)
@@ -38,38 +42,42 @@ class Metrics:
             self.accepted += sum(out.acceptance_lengths)
             self.decode_s += out.timing["total_s"]
 
-    def render(self, queued: int, stats: Stats, max_batch: int, draining: bool) -> str:
-        lines = ["# HELP flashdraft_requests_total Requests by outcome.", "# TYPE flashdraft_requests_total counter"]
-        lines += [f'flashdraft_requests_total{{outcome="{k}"}} {v}' for k, v in self.requests.items()]
-        tau = self.accepted / self.cycles if self.cycles else 0.0
-        for name, kind, value, help_ in [
-            ("prompt_tokens_total", "counter", self.prompt_tokens, "Prompt tokens of completed requests."),
-            ("completion_tokens_total", "counter", self.completion_tokens, "Tokens generated for completed requests."),
-            ("cycles_total", "counter", self.cycles, "Draft-verify cycles of completed requests."),
-            ("accepted_tokens_total", "counter", self.accepted, "Sum of acceptance lengths."),
-            ("decode_seconds_total", "counter", round(self.decode_s, 6), "Seconds spent decoding completed requests."),
-            ("mean_tau", "gauge", round(tau, 6), "Mean acceptance length over all cycles so far."),
-            ("generated_tokens_total", "counter", stats.tokens, "Tokens decoded for any request, finished or not."),
-            ("tokens_per_second", "gauge", round(stats.tokens_per_s(), 3), "Tokens decoded per second, last 10 s."),
-            ("batch_steps_total", "counter", stats.steps, "Batched cycles (one target verify for the whole batch)."),
-            ("batch_size", "gauge", stats.batch, "Sequences in the batch now."),
-            ("max_batch", "gauge", max_batch, "Sequences that may decode together (--max-batch)."),
-            ("queued_requests", "gauge", queued, "Admitted requests waiting for a place in the batch."),
-            ("running_requests", "gauge", stats.batch, "Requests being decoded (the sequences in the batch)."),
-            ("draining", "gauge", int(draining), "1 after SIGTERM: new requests are refused."),
+
+class Collector:
+    """The /metrics families, read at scrape time from the scheduler's counters and the worker's Stats (the names
+    are those of docs/design.md §5.1; prometheus_client adds the _total of counters)."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.scheduler = scheduler
+
+    def collect(self):
+        sch = self.scheduler
+        m, stats = sch.metrics, sch.engine.stats
+        requests = CounterMetricFamily("flashdraft_requests", "Requests by outcome.", labels=["outcome"])
+        for outcome, n in m.requests.items():
+            requests.add_metric([outcome], n)
+        yield requests
+        tau = m.accepted / m.cycles if m.cycles else 0.0
+        for name, family, value, help_ in [
+            ("prompt_tokens", CounterMetricFamily, m.prompt_tokens, "Prompt tokens of completed requests."),
+            ("completion_tokens", CounterMetricFamily, m.completion_tokens, "Tokens generated for completed requests."),
+            ("cycles", CounterMetricFamily, m.cycles, "Draft-verify cycles of completed requests."),
+            ("accepted_tokens", CounterMetricFamily, m.accepted, "Sum of acceptance lengths."),
+            ("decode_seconds", CounterMetricFamily, m.decode_s, "Seconds spent decoding completed requests."),
+            ("mean_tau", GaugeMetricFamily, tau, "Mean acceptance length over all cycles so far."),
+            ("generated_tokens", CounterMetricFamily, stats.tokens, "Tokens decoded for any request, finished or not."),
+            ("tokens_per_second", GaugeMetricFamily, stats.tokens_per_s(), "Tokens decoded per second, last 10 s."),
+            ("batch_steps", CounterMetricFamily, stats.steps, "Batched cycles (one verify for the whole batch)."),
+            ("batch_size", GaugeMetricFamily, stats.batch, "Sequences in the batch now."),
+            ("max_batch", GaugeMetricFamily, sch.engine.max_batch, "Sequences that may decode together (--max-batch)."),
+            ("queued_requests", GaugeMetricFamily, sch.queued, "Admitted requests waiting for a place in the batch."),
+            ("running_requests", GaugeMetricFamily, stats.batch, "Requests being decoded (sequences in the batch)."),
+            ("draining", GaugeMetricFamily, int(sch.draining), "1 after SIGTERM: new requests are refused."),
         ]:
-            name = f"flashdraft_{name}"
-            lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
-        return "\n".join(lines + histogram(stats)) + "\n"
-
-
-def histogram(stats: Stats) -> list[str]:
-    """Batched cycles by their number of sequences, as a Prometheus histogram."""
-    name = "flashdraft_step_batch_size"
-    lines = [f"# HELP {name} Sequences per batched cycle.", f"# TYPE {name} histogram"]
-    lines += [f'{name}_bucket{{le="{b}"}} {stats.sizes[b]}' for b in BATCH_BUCKETS]
-    return lines + [f'{name}_bucket{{le="+Inf"}} {stats.steps}', f"{name}_sum {stats.rows}",
-                    f"{name}_count {stats.steps}"]
+            yield family(f"flashdraft_{name}", help_, value=value)
+        buckets = [(str(b), stats.sizes[b]) for b in BATCH_BUCKETS] + [("+Inf", stats.steps)]
+        yield HistogramMetricFamily("flashdraft_step_batch_size", "Sequences per batched cycle.", buckets=buckets,
+                                    sum_value=stats.rows)
 
 
 class Scheduler:
@@ -80,6 +88,8 @@ class Scheduler:
         self.admitted: set[Job] = set()  # until the handler has seen the job end
         self.draining = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.registry = CollectorRegistry(auto_describe=False)  # its own: several servers may share a process (tests)
+        self.registry.register(Collector(self))
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -95,36 +105,46 @@ class Scheduler:
 
     @property
     def queued(self) -> int:
-        return sum(job.state == "queued" for job in self.admitted)
+        return sum(job.state == "queued" and job.live for job in self.admitted)
 
     @property
     def running(self) -> int:
         """Sequences in the batch now."""
         return self.engine.stats.batch
 
-    def render_metrics(self) -> str:
-        return self.metrics.render(self.queued, self.engine.stats, self.engine.max_batch, self.draining)
+    def render_metrics(self) -> bytes:
+        """/metrics in the Prometheus text format."""
+        return generate_latest(self.registry)
 
-    def submit(self, gen: GenRequest, stream: bool) -> Job:
+    @property
+    def live(self) -> int:
+        """Admitted jobs still to be decoded: a cancelled or ended job whose handler has not yet finished it holds
+        no place (its row leaves at the next cycle boundary)."""
+        return sum(job.live for job in self.admitted)
+
+    def submit(self, gen: GenRequest, stream: bool, rid: str = "") -> Job:
         """Admit a request or refuse it at once (503 while draining, 429 when full): never a hang."""
         if self.draining:
             raise ApiError(503, "the server is shutting down", "unavailable_error", code="shutting_down")
-        if len(self.admitted) >= self.capacity:
-            raise ApiError(429, f"the server is busy: {len(self.admitted)} requests admitted ({self.engine.max_batch} "
+        live = self.live
+        if live >= self.capacity:
+            raise ApiError(429, f"the server is busy: {live} requests admitted ({self.engine.max_batch} "
                                 f"decoding together, queue limit {self.limits.max_queue}); retry later",
                            "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
-        job = Job(gen, time.monotonic() + self.limits.request_timeout, self._loop, stream)
+        job = Job(gen, time.monotonic() + self.limits.request_timeout, self._loop, stream, rid=rid)
         self.admitted.add(job)
         self.engine.submit(job)
         return job
 
-    def finish(self, job: Job, outcome: str, out: Outcome | None = None) -> None:
-        """The handler is done with job (idempotent): free its slot, count it, and stop the worker on it."""
+    def finish(self, job: Job, outcome: str | None, out: Outcome | None = None) -> None:
+        """The handler is done with job (idempotent): free its slot, count it (unless outcome is None: counted
+        elsewhere), and stop the worker on it."""
         if job not in self.admitted:
             return
         self.admitted.discard(job)
         job.abort("client")  # a no-op once the worker has finished it
-        self.metrics.record(outcome, job.request, out)
+        if outcome is not None:
+            self.metrics.record(outcome, job.request, out)
 
     def drain(self) -> None:
         """SIGTERM (any thread): refuse new work now; cancel what is still admitted after shutdown_timeout."""

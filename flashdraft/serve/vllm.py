@@ -93,7 +93,7 @@ def check_vllm_options(args) -> None:
         raise FlashdraftError("--loop-stages (DLoop) is for --engine torch; drop it")
 
 
-def cmd_serve_vllm(args) -> int:
+def cmd_serve_vllm(args, key: str | None = None) -> int:
     """Derive the speculative config, self-check sampling, then run (or print) `vllm serve`."""
     from ..decoding.settings import DecodeSettings
     from ..engines.vllm import (CPU_SAMPLING_DEFECT, ENV_DEFAULTS, VllmEngine, check_drafts, is_cpu_build,
@@ -136,6 +136,8 @@ def cmd_serve_vllm(args) -> int:
         return 0
     print(f"flashdraft: vLLM serves {args.served_model_name_resolved!r} on http://{args.host}:{port}/v1",
           file=sys.stderr, flush=True)
+    if key:  # vLLM's own --api-key, through its environment so that the printed command does not show it
+        exec_env["VLLM_API_KEY"] = key
     os.execve(sys.executable, cmd, {**exec_env, **env})
 
 
