@@ -320,7 +320,8 @@ class Engine:
     def decoder(self) -> Decoder:
         if not self.batched:
             return SoloDecoder(self.target.model, self.drafter)
-        return BatchDecoder(self.target.model, self.drafter, self.settings, adaptive=self.adaptive)
+        return BatchDecoder(self.target.model, self.drafter, self.settings, adaptive=self.adaptive,
+                            slots=self.max_batch)
 
     def settings_for(self, req: GenRequest) -> DecodeSettings:
         """req's settings: the same as flashdraft.generate_ids gets (so outputs are identical)."""
