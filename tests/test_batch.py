@@ -403,3 +403,29 @@ def test_leaving_from_the_middle_outside_inference_mode():
     while dec.busy:
         dec.step()
     assert [s.output for s in seqs[1:]] == [r.output_ids for r in alone[1:]]
+
+
+def test_exploration_backs_off_while_the_plan_holds_and_restarts_when_it_changes():
+    """A clear choice is re-checked ever more rarely (each try costs a cycle of the worse choice); when measured
+    costs flip the plan, tries come every EXPLORE cycles again. While not speculating, a try is the narrowest
+    speculation (width 2), not the widest block."""
+    from flashdraft.decoding.adaptive import EXPLORE, EXPLORE_MAX
+
+    policy = AdaptivePolicy(4)
+    rows = [Row(Acceptance(kept=9, rejected=1), 4) for _ in range(2)]  # α = 0.9
+    policy.observe(2, 4, 0.010, 2, 0.001)  # verifying 4 costs about a plain step: speculate
+    policy.observe(2, 1, 0.010, 0, 0.0)
+    tries = []
+    for _ in range(600):
+        widths = policy.choose(rows)
+        if widths == [1, 1]:
+            tries.append(policy.cycle)
+    gaps = [b - a for a, b in zip(tries, tries[1:])]
+    assert tries[0] == EXPLORE and gaps[:3] == [2 * EXPLORE, 4 * EXPLORE, 8 * EXPLORE] and max(gaps) == EXPLORE_MAX
+    for _ in range(60):  # verifying 4 turns out to cost ten plain steps: plain decoding wins
+        policy.observe(2, 4, 0.100, 2, 0.010)
+    while policy.choose(rows) == [1, 1] and policy.speculating:  # a pending try, if any
+        pass
+    assert policy.speculating is False and policy.interval == EXPLORE  # the plan changed: re-checked soon
+    widths = [policy.choose(rows) for _ in range(EXPLORE)]
+    assert [2, 2] in widths and [4, 4] not in widths  # the try is the narrowest speculation

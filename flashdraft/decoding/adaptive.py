@@ -7,9 +7,10 @@ costs t_d(D) ≈ a_d + c_d·D, both fitted by least squares over recent cycles w
 follow the machine as it is now (another process taking the cores shows up within a few cycles). Acceptance: each
 request's drafts are kept with a running rate α (drafts kept / drafts kept + first rejections, from a prior), so a
 width-w block yields E(w) = 1 + α + … + α^(w−1) tokens. The policy scans the widths, lets the rows whose expected
-gain does not pay for their drafter share decode plainly, and keeps the best Σ E / (t_v + t_d). Every EXPLORE-th
-cycle it tries the other extreme instead (plain while speculating, the widest block while not), so a wrong choice
-is measured and undone within a few cycles.
+gain does not pay for their drafter share decode plainly, and keeps the best Σ E / (t_v + t_d). Now and then it tries
+the other choice instead (plain while speculating, the narrowest speculation while not), so a wrong choice is
+measured and undone: first after EXPLORE cycles, then, each time the plan stays as it was, after twice as many (up to
+EXPLORE_MAX), so that a clear choice is not taxed by re-checking it; a change of plan starts over at EXPLORE.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 HALF_LIFE = 24  # observations: how quickly measured costs forget (contention changes are seen within ~a dozen)
-EXPLORE = 8  # every EXPLORE-th cycle tries the other extreme (plain if speculating, the widest if not)
+EXPLORE = 8  # cycles before the other choice is tried (plain if speculating, the narrowest speculation if not) …
+EXPLORE_MAX = 128  # … doubling, while the plan does not change, up to this many
 PRIOR_KEPT, PRIOR_TRIED = 1.0, 2.0  # α starts at 0.5 and moves with each request's own cycles
 
 
@@ -121,6 +123,8 @@ class AdaptivePolicy:
         self.verify: dict[int, CostModel] = {}  # per batch size: a cycle's cost but drafting, by padded width
         self.draft: dict[int, CostModel] = {}  # per batch size: drafting's cost, by rows drafted
         self.cycle, self.speculating = 0, True
+        self.interval, self.next_try = EXPLORE, EXPLORE
+        self.tried = 0  # the cycle of a try whose outcome the next plan judges (0: none pending)
 
     def costs(self, rows: int) -> tuple[CostModel, CostModel]:
         return self.verify.setdefault(rows, CostModel()), self.draft.setdefault(rows, CostModel())
@@ -130,10 +134,18 @@ class AdaptivePolicy:
         verify, draft = self.costs(len(rows))
         if len(verify.amounts) < 2:  # a batch size met first: measure its widest cycle, then a plain one
             return [r.max_width for r in rows] if not verify.seen else [1] * len(rows)
-        if self.cycle % EXPLORE == 0:  # the choice that matters most, speculate or not, stays measured both ways
-            return [1] * len(rows) if self.speculating else [r.max_width for r in rows]
+        if self.cycle >= self.next_try:  # the choice that matters most, speculate or not, stays measured both ways
+            self.tried, self.next_try = self.cycle, float("inf")  # the plan of the next cycle sets the next try
+            return [1] * len(rows) if self.speculating else [min(2, r.max_width) for r in rows]
         chosen = plan(rows, self.widths, verify, draft)[1]
-        self.speculating = max(chosen) > 1
+        speculating = max(chosen) > 1
+        if speculating != self.speculating:  # the plan changed (after a try, or as costs moved): re-check it soon
+            self.interval, self.next_try = EXPLORE, self.cycle + EXPLORE
+        elif self.tried:  # a try confirmed the plan: re-check it half as often
+            self.interval = min(2 * self.interval, EXPLORE_MAX)
+            self.next_try = self.tried + self.interval
+        self.tried = 0
+        self.speculating = speculating
         return chosen
 
     def observe(self, rows: int, width: int, verify_s: float, drafting_rows: int, draft_s: float) -> None:
