@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..decoding.settings import add_decode_arguments
+from ..decoding.settings import PREFILL_CHUNK, add_decode_arguments
 
 
 def add_serve(sub) -> None:
@@ -28,6 +28,10 @@ def add_serve(sub) -> None:
     p.add_argument("--max-batch", type=int, default=8,
                    help="requests decoded together: each joins the batch at a cycle boundary and leaves when done "
                         "(default 8; 1 = one at a time; vLLM's --max-num-seqs)")
+    p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK,
+                   help=f"prompt tokens per prefill pass: a longer prompt joins over several cycles, so the streams "
+                        f"already decoding stall for one chunk at a time, not the whole prefill (default "
+                        f"{PREFILL_CHUNK})")
     p.add_argument("--fixed-block", action="store_true",
                    help="verify each request's full block every cycle (default: greedy requests' widths adapt to the "
                         "measured load, docs/adaptive.md); its cycles then equal flashdraft generate's")

@@ -25,11 +25,8 @@ from .loop import accept, pick, truncate
 from .proposers import (LoopProposer, Proposal, chain_from_pass, graft, lookup_proposal, no_drafts,
                         tree_from_pass)
 from .session import now
-from .settings import DecodeSettings, settings_from
+from .settings import PREFILL_CHUNK, DecodeSettings, settings_from
 from .state import Cycle, DecodeState, GenerationResult, Timing
-
-
-PREFILL_CHUNK = 256  # prompt tokens per prefill pass: a long prompt costs the batch one chunk per cycle while it joins
 
 
 @dataclass

@@ -29,7 +29,7 @@ def check_options(args) -> None:
     for name in ("max_queue",):
         if getattr(args, name) < 0:
             raise FlashdraftError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    for name in ("max_batch", "request_timeout", "shutdown_timeout", "max_body_bytes", "default_max_tokens",
+    for name in ("max_batch", "prefill_chunk", "request_timeout", "shutdown_timeout", "max_body_bytes", "default_max_tokens",
                  "max_connections", "body_timeout"):
         if not getattr(args, name) > 0:
             raise FlashdraftError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
@@ -95,7 +95,8 @@ def cmd_serve(args) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     target = load_target(args.target, dtype=args.dtype, device=device)
     drafter = load_drafter_or_plain(target, args.drafter, args.block_size)
-    engine = Engine(target, drafter, settings, args.max_batch, adaptive=not args.fixed_block)
+    engine = Engine(target, drafter, settings, args.max_batch, adaptive=not args.fixed_block,
+                    prefill_chunk=args.prefill_chunk)
     limits = Limits(args.max_queue, args.request_timeout, args.max_body_bytes, args.shutdown_timeout, args.body_timeout)
     scheduler = Scheduler(engine, limits)
     model_id = args.served_model_name or served_name(args.target)

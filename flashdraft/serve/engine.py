@@ -17,6 +17,7 @@ import torch
 
 from ..decoding import Cycle, DecodeSettings, GenerationResult, Session, mean_acceptance
 from ..decoding.batch import BatchDecoder
+from ..decoding.settings import PREFILL_CHUNK
 from ..models import Target
 from ..target_batch import supports_batch
 
@@ -305,12 +306,14 @@ class Engine:
     settings and seed."""
 
     def __init__(self, target: Target, drafter: torch.nn.Module | None, settings: DecodeSettings = DecodeSettings(),
-                 max_batch: int = 8, adaptive: bool = True, tokens: PerThread | None = None):
+                 max_batch: int = 8, adaptive: bool = True, tokens: PerThread | None = None,
+                 prefill_chunk: int = PREFILL_CHUNK):
         self.target, self.drafter, self.settings = target, drafter, settings.validate()
         self.block_size = settings.resolve(drafter.config.block_size if drafter is not None else None).block_size
         self.stop_ids = target.stop_token_ids()
         self.batched = supports_batch(target.model)
         self.max_batch, self.adaptive = (max_batch if self.batched else 1), adaptive
+        self.prefill_chunk = prefill_chunk
         self.tokens = tokens or PerThread(target.tokenizer)
         self.inbox: queue.Queue[Job | None] = queue.Queue()
         self.live: list[Job] = []  # the worker's: jobs in the batch
@@ -321,7 +324,7 @@ class Engine:
         if not self.batched:
             return SoloDecoder(self.target.model, self.drafter)
         return BatchDecoder(self.target.model, self.drafter, self.settings, adaptive=self.adaptive,
-                            slots=self.max_batch)
+                            slots=self.max_batch, prefill_chunk=self.prefill_chunk)
 
     def settings_for(self, req: GenRequest) -> DecodeSettings:
         """req's settings: the same as flashdraft.generate_ids gets (so outputs are identical)."""
