@@ -270,7 +270,7 @@ def test_bad_request_gets_openai_error(server, name, path, body, status, param, 
     assert ok == 200 and resp["usage"]["completion_tokens"] == 3  # and the server keeps serving
 
 
-REFUSED = [("response_format", {"type": "json_object"}), ("min_p", 0.1), ("ignore_eos", True),
+REFUSED = [("response_format", {"type": "json_object"}), ("min_p", 0.1),
            ("tool_choice", "required"), ("tools", [{"type": "function", "function": {"name": "f"}}]),
            ("logit_bias", {"5": 10}), ("logprobs", True), ("top_logprobs", 2), ("n", 2), ("n", True), ("best_of", 3),
            ("presence_penalty", 0.5), ("frequency_penalty", -0.2), ("repetition_penalty", 1.1),
@@ -279,7 +279,23 @@ REFUSED = [("response_format", {"type": "json_object"}), ("min_p", 0.1), ("ignor
 ACCEPTED = [("user", "me"), ("metadata", {"k": "v"}), ("store", False), ("parallel_tool_calls", True),
             ("stream_options", {"include_usage": True}), ("response_format", {"type": "text"}), ("logprobs", False),
             ("n", 1), ("presence_penalty", 0.0), ("repetition_penalty", 1), ("tool_choice", "none"), ("tools", []),
-            ("min_p", 0), ("echo", False), ("guided_json", None), ("service_tier", "auto")]
+            ("min_p", 0), ("echo", False), ("guided_json", None), ("service_tier", "auto"), ("ignore_eos", False)]
+
+
+def test_ignore_eos_decodes_exactly_max_tokens_past_the_stop_tokens(server, dirs):
+    """vLLM's extension (its benchmark client sends it): no stop tokens, so exactly max_tokens, and the tokens are
+    the target's own decoding with no stop ids."""
+    from flashdraft.api import generate_ids
+    from flashdraft.models import load_drafter_for, load_target
+
+    target, drafter = dirs
+    t = load_target(str(target))
+    ref = generate_ids(t.model, load_drafter_for(t, drafter), [5, 9, 11, 40, 3], max_new_tokens=30, temperature=0,
+                       stop_token_ids=())
+    status, resp, _ = server.request("POST", "/v1/completions", {"prompt": [5, 9, 11, 40, 3], "max_tokens": 30,
+                                                                 "temperature": 0, "ignore_eos": True})
+    assert status == 200 and resp["usage"]["completion_tokens"] == 30
+    assert resp["flashdraft"]["output_ids"] == ref.output_ids
 
 
 FIELDS = [(f, v, True) for f, v in REFUSED] + [(f, v, False) for f, v in ACCEPTED]

@@ -39,6 +39,7 @@ class GenRequest:
     top_k: int = 0
     seed: int = 0
     stops: list[str] = field(default_factory=list)
+    ignore_eos: bool = False  # vLLM's extension: no stop tokens, so exactly max_tokens (what its benchmark sends)
 
 
 @dataclass
@@ -329,7 +330,8 @@ class Engine:
     def settings_for(self, req: GenRequest) -> DecodeSettings:
         """req's settings: the same as flashdraft.generate_ids gets (so outputs are identical)."""
         return self.settings.updated(max_new_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k,
-                                     top_p=req.top_p, seed=req.seed, stop_token_ids=self.stop_ids)
+                                     top_p=req.top_p, seed=req.seed,
+                                     stop_token_ids=() if req.ignore_eos else self.stop_ids)
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self.work, name="flashdraft-decode", daemon=True)

@@ -69,6 +69,8 @@ class Common(_Strict):
                                                            "characters")
     stream: bool = False
     stream_options: StreamOptions | None = None
+    ignore_eos: bool = Field(False, description="vLLM's extension: decode past end-of-sequence tokens, to exactly "
+                                                "max_tokens (stop strings still apply)")
 
 
 class ChatRequest(Common):
@@ -86,7 +88,7 @@ UNSUPPORTED = {
     "n": (None, 1), "best_of": (None, 1), "echo": FALSE, "suffix": EMPTY, "logprobs": NONE, "top_logprobs": NONE,
     "prompt_logprobs": OFF, "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
     "repetition_penalty": (None, 1), "length_penalty": (None, 1), "logit_bias": EMPTY, "min_p": (None, 0),
-    "typical_p": (None, 1), "min_tokens": (None, 0), "ignore_eos": FALSE, "use_beam_search": FALSE,
+    "typical_p": (None, 1), "min_tokens": (None, 0), "use_beam_search": FALSE,
     "stop_token_ids": EMPTY, "bad_words": EMPTY, "allowed_token_ids": OFF, "include_stop_str_in_output": FALSE,
     "skip_special_tokens": (None, True), "response_format": (None, {"type": "text"}), "tools": EMPTY,
     "functions": EMPTY, "tool_choice": (None, "none", "auto"), "function_call": (None, "none", "auto"),
@@ -258,7 +260,7 @@ def parse(kind: str, body: dict, served: Served) -> Parsed:
     stops = _stops(req)
     ids = chat_ids(req.messages, served) if kind == "chat" else completion_ids(req.prompt, served)
     max_tokens = _max_tokens(req, served, len(ids), "messages" if kind == "chat" else "prompt")
-    gen = GenRequest(ids, max_tokens, temperature, top_p, top_k, seed, stops)
+    gen = GenRequest(ids, max_tokens, temperature, top_p, top_k, seed, stops, req.ignore_eos)
     usage = bool(req.stream_options and req.stream_options.include_usage)
     return Parsed(gen, req.stream, usage, model)
 
