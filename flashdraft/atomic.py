@@ -63,13 +63,18 @@ def fsync_tree(root: Path) -> None:
 
 def write_text(path: str | Path, text: str) -> None:
     """Write text to path via a temporary file in the same directory and an atomic rename."""
+    write_bytes(path, text.encode())
+
+
+def write_bytes(path: str | Path, data: bytes) -> None:
+    """Write data to path via a temporary file in the same directory, fsynced, and an atomic rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.chmod(tmp, 0o666 & ~umask())
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -25,7 +25,6 @@ import lzma
 import os
 import re
 import sys
-import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ import numpy as np
 import torch
 
 from .. import target as T
-from ..atomic import fsync_path, umask, write_text
+from ..atomic import write_bytes, write_text
 from ..errors import FlashdraftError
 from .data import (Sequence, answer_chunks, check_alike, check_prepare_settings, data_dirs, dev_jsonl, human_bytes,
                    interleave, load_sequences, read_meta)
@@ -133,23 +132,6 @@ def open_store(store: Path) -> None:
             scratch = f.name.startswith(".") and f.name.endswith(".tmp")
             if f.is_file() and (scratch or (f.parent.name == "shards" and f"shards/{f.name}" not in listed)):
                 f.unlink()
-
-
-def write_bytes(path: Path, data: bytes) -> None:
-    """atomic.write_text for bytes: a scratch file in the same directory, fsynced, renamed into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.chmod(tmp, 0o666 & ~umask())
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_path(path.parent)
 
 
 # ---------------------------------------------------------------- identity of the answers
