@@ -73,8 +73,9 @@ def current(model: PreTrainedModel) -> LeanModel | None:
 
 def supported(model: PreTrainedModel) -> bool:
     """Whether the lean forward computes exactly what this target's HF forward does."""
-    cfg = model.config.get_text_config()
-    if cfg.model_type not in LEAN_TYPES or getattr(model, "lm_head", None) is None:
+    cfg = model.config  # the model's own type: a multimodal wrapper around a Llama text model is not this layout
+    if cfg.model_type not in LEAN_TYPES or getattr(model, "lm_head", None) is None \
+            or not hasattr(getattr(model, "model", None), "layers"):
         return False
     if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", cfg.model_type == "mistral"):
         return False
