@@ -160,10 +160,9 @@ class BatchDecoder:
         """One cycle for every active sequence; finished ones leave the batch (still reported here). A row that raises
         in its own part of the cycle (its draft choice, its acceptance) gets `error` set and leaves with an empty
         Cycle; the others go on. What fails in the shared passes (drafter, verify) raises."""
-        joined = self.prefill_next()
         rows = self.active
         if not rows:
-            return joined
+            return self.prefill_next()
         widths = self.widths(rows)
         t1 = now(self.device)
         proposals, drafting = self.propose(rows, widths)
@@ -173,7 +172,7 @@ class BatchDecoder:
             proposals = [proposals[i] for i in order]
             rows = self.active = [rows[i] for i in order]
             if not rows:
-                return joined + failed
+                return failed + self.prefill_next()
         t2 = now(self.device)
         blocks = [[q.state.tokens[-1]] + p.drafts.tolist() for q, p in zip(rows, proposals)]
         outs = forward_batch(self.model, blocks, [p.parents for p in proposals], self.cache, self.layer_ids)
@@ -187,11 +186,11 @@ class BatchDecoder:
         finished = [i for i, q in enumerate(rows) if q.done]
         if finished:
             self.drop(finished)
-        return joined + failed + results
+        return failed + results + self.prefill_next()  # a row that joins now decodes from the next cycle
 
     def prefill_next(self) -> list[tuple[Sequence, Cycle]]:
-        """One prefill chunk of the longest-waiting joining prompt (so a long prompt stalls the batch for a chunk per
-        cycle, not for its whole prefill) → its first-token Cycle once it has joined, or its error."""
+        """After a cycle, one prefill chunk of the longest-waiting joining prompt (so a long prompt stalls the batch for a
+        chunk per cycle, not for its whole prefill) → its first-token Cycle once it has joined, or its error."""
         if not self.joining:
             return []
         seq = self.joining[0]
