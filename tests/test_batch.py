@@ -137,10 +137,20 @@ def test_adaptive_outputs_equal_the_target_and_record_says_so():
         assert r.config["adaptive"] is True
 
 
+def sampling_pair():
+    """A small-vocabulary target and drafter whose distributions the chi-square tests can enumerate."""
+    target = tiny_target("llama", vocab=8, init_std=0.3, seed=3)
+    return target, random_drafter(target, block_size=3, init_std=0.3, seed=4)
+
+
+def accept_all(p, logits, params, gen):
+    """A broken verifier for the negative controls: it keeps every draft."""
+    return list(range(len(p.drafts))), int(torch.multinomial(torch.softmax(logits[-1], -1), 1, generator=gen))
+
+
 def test_batched_sampling_matches_target():
     """Chi-square at batch 8: 1,200 seeded samples of the first NEW tokens, eight sequences per batch."""
-    target = tiny_target("llama", vocab=8, init_std=0.3, seed=3)
-    drafter = random_drafter(target, block_size=3, init_std=0.3, seed=4)
+    target, drafter = sampling_pair()
     params = SamplingParams(1.0)
     counts = batched_counts(target, drafter, params, 1200)
     p = chi2_pvalue(counts, exact_distribution(target, params))
@@ -149,12 +159,8 @@ def test_batched_sampling_matches_target():
 
 def test_batched_sampling_test_catches_a_broken_verifier(monkeypatch):
     """Negative control: a verifier that keeps every draft fails the same test."""
-    def accept_all(p, logits, params, gen):
-        return list(range(len(p.drafts))), int(torch.multinomial(torch.softmax(logits[-1], -1), 1, generator=gen))
-
     monkeypatch.setattr(batch_mod, "accept", accept_all)
-    target = tiny_target("llama", vocab=8, init_std=0.3, seed=3)
-    drafter = random_drafter(target, block_size=3, init_std=0.3, seed=4)
+    target, drafter = sampling_pair()
     params = SamplingParams(1.0)
     counts = batched_counts(target, drafter, params, 1200)
     exact = exact_distribution(target, params)
@@ -199,8 +205,7 @@ def staggered_counts(target, drafter, params: SamplingParams, n: int) -> dict[tu
 
 def test_batched_sampling_matches_target_with_uneven_prompts_joins_and_the_adaptive_policy():
     """Chi-square per prompt, 1,000 samples each, from the staggered batch of staggered_counts."""
-    target = tiny_target("llama", vocab=8, init_std=0.3, seed=3)
-    drafter = random_drafter(target, block_size=3, init_std=0.3, seed=4)
+    target, drafter = sampling_pair()
     params = SamplingParams(0.9, top_k=6)
     for prompt, counts in staggered_counts(target, drafter, params, 1000).items():
         assert sum(counts.values()) == 1000
@@ -210,12 +215,8 @@ def test_batched_sampling_matches_target_with_uneven_prompts_joins_and_the_adapt
 
 def test_the_staggered_test_catches_a_broken_verifier(monkeypatch):
     """Negative control: a verifier that keeps every draft fails the staggered test too."""
-    def accept_all(p, logits, params, gen):
-        return list(range(len(p.drafts))), int(torch.multinomial(torch.softmax(logits[-1], -1), 1, generator=gen))
-
     monkeypatch.setattr(batch_mod, "accept", accept_all)
-    target = tiny_target("llama", vocab=8, init_std=0.3, seed=3)
-    drafter = random_drafter(target, block_size=3, init_std=0.3, seed=4)
+    target, drafter = sampling_pair()
     params = SamplingParams(1.0)
     caught = []
     for prompt, counts in staggered_counts(target, drafter, params, 600).items():
