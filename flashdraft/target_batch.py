@@ -45,11 +45,7 @@ class RaggedLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        n, t = key_states.shape[0], key_states.shape[-2]
-        lens = self.cache.lens
-        self.cache.ensure(int(lens.max()) + t)
-        pos = lens[:, None] + torch.arange(t, device=lens.device)  # [n, t]: each row's new positions
-        rows = torch.arange(n, device=lens.device)[:, None]
+        n, (rows, pos) = key_states.shape[0], self.cache.writes  # each row's new positions, set once per forward
         self.keys[rows, :, pos] = key_states.transpose(1, 2)  # indexing puts [n, t] first: [n, t, heads, dim]
         self.values[rows, :, pos] = value_states.transpose(1, 2)
         width = self.cache.width
@@ -75,6 +71,7 @@ class BatchCache(DynamicCache):
         self.layers = [RaggedLayer(self) for _ in range(T.num_layers(model))]
         self.lens = torch.zeros(0, dtype=torch.long, device=model.device)
         self.width = 0  # keys each verify attends to: max(lens) + the block width
+        self.writes: tuple[torch.Tensor, torch.Tensor] | None = None  # ([n, 1] rows, [n, t] positions) of a forward
 
     @property
     def rows(self) -> int:
@@ -92,6 +89,13 @@ class BatchCache(DynamicCache):
         for layer in self.layers:
             if layer.is_initialized:
                 layer.resize(self.slots, self.capacity)
+
+    def begin(self, t: int) -> None:
+        """Before a forward of t positions per row: room for them, and where each row writes (shared by all layers)."""
+        self.width = int(self.lens.max()) + t
+        self.ensure(self.width)
+        self.writes = (torch.arange(self.rows, device=self.lens.device)[:, None],
+                       self.lens[:, None] + torch.arange(t, device=self.lens.device))
 
     @torch.inference_mode()  # the buffers are inference tensors; callers need not be in that mode
     def add_row(self, single: DynamicCache) -> int:
@@ -170,7 +174,7 @@ def forward_batch(model: PreTrainedModel, blocks: list[list[int]], parents: list
     (float32) and features [k_i, F] of its real (unpadded) positions."""
     lens = cache.lens.tolist()
     ids, pos, mask = batch_inputs(blocks, parents, lens, model.dtype, model.device)
-    cache.width = mask.shape[-1]
+    cache.begin(ids.shape[1])
     lm = lean.current(model) if not torch.is_grad_enabled() else None
     if lm is not None:
         logits, feats = lean.forward(lm, ids, pos, cache, mask, layer_ids)
