@@ -6,8 +6,7 @@ from typing import Callable
 
 import torch
 
-from .decoding import DecodeSettings, GenerationResult, generate_ids, settings_from
-from .decoding.batch import generate_batch as batch_generate_ids
+from .decoding import DecodeSettings, GenerationResult, decode_batch, generate_ids, settings_from
 from .models import Target
 
 
@@ -32,7 +31,7 @@ def generate(target: Target, drafter: torch.nn.Module | None, prompt: str | list
 def generate_batch(target: Target, drafter: torch.nn.Module | None, prompts: list[str | list[int]],
                    settings: DecodeSettings | list[DecodeSettings] | None = None, *, chat: bool = True,
                    adaptive: bool = True, max_batch: int | None = None, **overrides) -> list[GenerationResult]:
-    """Several prompts decoded together (decoding/batch.py): one result per prompt, in order, each with the output
+    """Several prompts decoded together (decoding/decoder.py): one result per prompt, in order, each with the output
     generate would give it alone. settings: one for all or one per prompt; adaptive (default): each cycle's
     speculation follows measured costs and each request's acceptance (docs/adaptive.md); max_batch: sequences at once."""
     ids = [list(p) if isinstance(p, list) else target.encode(p, chat=chat) for p in prompts]
@@ -40,7 +39,7 @@ def generate_batch(target: Target, drafter: torch.nn.Module | None, prompts: lis
     stops = target.stop_token_ids()
     per = [settings_from(s, **overrides) for s in per]
     per = [s if s.stop_token_ids is not None else s.updated(stop_token_ids=stops) for s in per]
-    results = batch_generate_ids(target.model, drafter, ids, per, adaptive=adaptive, max_batch=max_batch)
+    results = decode_batch(target.model, drafter, ids, per, adaptive=adaptive, max_batch=max_batch)
     for r in results:
         r.text = target.decode(r.output_ids)
     return results

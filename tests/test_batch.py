@@ -1,4 +1,4 @@
-"""Batched decoding (decoding/batch.py): every sequence's output equals its own single-sequence decoding, whatever
+"""Batched decoding (decoding/decoder.py): every sequence's output equals its own single-sequence decoding, whatever
 the batch does around it (ragged acceptance, joins and leaves, mixed settings, the adaptive policy)."""
 
 import pytest
@@ -7,10 +7,10 @@ from helpers import hf_greedy, random_drafter, tiny_target
 from lossless import assert_greedy_lossless
 from test_sampling_lossless import ALPHA, NEW, PROMPT, chi2_pvalue, exact_distribution
 
-import flashdraft.decoding.batch as batch_mod
+import flashdraft.decoding.decoder as batch_mod
 from flashdraft.decoding import DecodeSettings, Proposal, generate_ids
 from flashdraft.decoding.adaptive import Acceptance, AdaptivePolicy, CostModel, Row, plan
-from flashdraft.decoding.batch import BatchDecoder, generate_batch
+from flashdraft.decoding.decoder import Decoder, decode_batch
 from flashdraft.dflash2 import upgrade_to_dflash2
 from flashdraft.errors import FlashdraftError
 from flashdraft.sampling import SamplingParams
@@ -50,7 +50,7 @@ def test_fixed_policy_batches_cycle_for_cycle_like_one_sequence(kind, arch):
     drafter = random_drafter(target, block_size=8) if arch == "dflash" else dflash2(target)
     ps = prompts(5)
     for kw in SETTINGS:
-        res = generate_batch(target, drafter, ps, max_new_tokens=40, adaptive=False, max_batch=3, **kw)
+        res = decode_batch(target, drafter, ps, max_new_tokens=40, adaptive=False, max_batch=3, **kw)
         for p, r in zip(ps, res):
             alone = generate_ids(target, drafter, p, max_new_tokens=40, **kw)
             assert r.output_ids == alone.output_ids, kw
@@ -58,16 +58,16 @@ def test_fixed_policy_batches_cycle_for_cycle_like_one_sequence(kind, arch):
 
 
 def oracle_pass(refs: dict[tuple, list[int]], error_rate: float, seed: int):
-    """Stands in for BatchDecoder.drafter_pass: each row drafts its known greedy continuation, corrupted at random,
+    """Stands in for Decoder.drafter_pass: each row drafts its known greedy continuation, corrupted at random,
     so rows accept different lengths in the same cycle (ragged acceptance)."""
     gen = torch.Generator().manual_seed(seed)
 
     def drafter_pass(self, rows, b, widths):
         out = []
         for q in rows:
-            q.state.take_pending()
-            ref = refs[tuple(q.state.tokens[:q.state.num_prompt_tokens])]
-            done = len(q.state.tokens) - q.state.num_prompt_tokens
+            q.take_pending()
+            ref = refs[tuple(q.tokens[:q.num_prompt_tokens])]
+            done = len(q.tokens) - q.num_prompt_tokens
             want = (ref[done:done + b - 1] + [0] * b)[: b - 1]
             drafts = torch.tensor(want)
             flip = torch.rand(b - 1, generator=gen) < error_rate
@@ -85,8 +85,8 @@ def test_ragged_acceptance_is_lossless(monkeypatch, adaptive, error_rate):
     drafter = random_drafter(target, block_size=6)
     ps = prompts(6)
     refs = {tuple(p): hf_greedy(target, p, 48) for p in ps}
-    monkeypatch.setattr(BatchDecoder, "drafter_pass", oracle_pass(refs, error_rate, seed=3))
-    res = generate_batch(target, drafter, ps, max_new_tokens=48, adaptive=adaptive, tree=0, lookup=False)
+    monkeypatch.setattr(Decoder, "drafter_pass", oracle_pass(refs, error_rate, seed=3))
+    res = decode_batch(target, drafter, ps, max_new_tokens=48, adaptive=adaptive, tree=0, lookup=False)
     for p, r in zip(ps, res):
         assert_greedy_lossless(target, p, r.output_ids, refs[tuple(p)])
     accepted = [c.accepted for r in res for c in r.cycles if len(c.block) > 1]
@@ -107,7 +107,7 @@ def test_joins_leaves_and_mixed_settings():
              generate_ids(target, drafter, ps[2], max_new_tokens=40, temperature=0.9, top_k=20, seed=5),
              generate_ids(target, drafter, ps[3], max_new_tokens=40, stop_token_ids=[ps[3][-1]], lookup="tree"),
              generate_ids(target, drafter, ps[4], max_new_tokens=40)]
-    dec = BatchDecoder(target, drafter, adaptive=False)
+    dec = Decoder(target, drafter, adaptive=False)
     a, _ = dec.join(ps[0], max_new_tokens=30)
     b, _ = dec.join(ps[1], max_new_tokens=12, block_size=2, tree=0)
     for _ in range(3):
@@ -131,7 +131,7 @@ def test_adaptive_outputs_equal_the_target_and_record_says_so():
     target = tiny_target("llama")
     drafter = random_drafter(target, block_size=8)
     ps = prompts(4)
-    res = generate_batch(target, drafter, ps, max_new_tokens=32)
+    res = decode_batch(target, drafter, ps, max_new_tokens=32)
     for p, r in zip(ps, res):
         assert_greedy_lossless(target, p, r.output_ids, hf_greedy(target, p, 32))
         assert r.config["adaptive"] is True
@@ -172,7 +172,7 @@ def batched_counts(target, drafter, params: SamplingParams, n: int) -> dict[tupl
     for s0 in range(0, n, 8):
         settings = [DecodeSettings(max_new_tokens=NEW, temperature=params.temperature, top_k=params.top_k,
                                    top_p=params.top_p, seed=s, lookup=False) for s in range(s0, s0 + 8)]
-        for r in generate_batch(target, drafter, [PROMPT] * 8, settings, adaptive=False):
+        for r in decode_batch(target, drafter, [PROMPT] * 8, settings, adaptive=False):
             counts[tuple(r.output_ids)] = counts.get(tuple(r.output_ids), 0) + 1
     return counts
 
@@ -184,7 +184,7 @@ def staggered_counts(target, drafter, params: SamplingParams, n: int) -> dict[tu
     """n seeded samples of each UNEVEN prompt's first NEW tokens from one continuous batch under the adaptive policy:
     at most two rows join per cycle, so rows join while others are mid-decode, next to a greedy row of a longer
     output whose widths the policy adapts (a sampled row always verifies its whole block)."""
-    dec = BatchDecoder(target, drafter, DecodeSettings(lookup=False), adaptive=True)
+    dec = Decoder(target, drafter, DecodeSettings(lookup=False), adaptive=True)
     sampled = DecodeSettings(max_new_tokens=NEW, temperature=params.temperature, top_k=params.top_k,
                              top_p=params.top_p, lookup=False, stop_token_ids=())
     greedy = DecodeSettings(max_new_tokens=24, temperature=0.0, lookup=False, stop_token_ids=())
@@ -236,7 +236,7 @@ def test_adaptive_widths_for_greedy_rows_only_so_seeded_sampling_equals_generate
     base = DecodeSettings(max_new_tokens=30, temperature=0.9, top_p=0.9, top_k=20, stop_token_ids=())
     settings = [base.updated(seed=i, temperature=0.0 if i % 2 else 0.9) for i in range(len(prompts))]
     refs = [generate_ids(model, drafter, p, s) for p, s in zip(prompts, settings)]
-    dec, seqs, waiting = BatchDecoder(model, drafter, DecodeSettings()), [], list(zip(prompts, settings))
+    dec, seqs, waiting = Decoder(model, drafter, DecodeSettings()), [], list(zip(prompts, settings))
     while waiting or dec.active:
         if waiting:
             seqs.append(dec.join(*waiting.pop(0))[0])
@@ -288,21 +288,33 @@ def test_adaptive_policy_measures_each_batch_size_at_two_widths_first():
     assert max(pol.choose(rows)) > 1  # batch size 2, measured: verify 0.04 → 0.05 for 1 → 8, drafts cheap
 
 
-def test_batch_needs_full_attention():
+def test_targets_that_cannot_batch_decode_one_request_at_a_time():
+    """Sliding-window layers cannot share a ragged cache: the decoder takes one request at a time on its own cache,
+    and decode_batch still gives each prompt what generate gives it."""
     from transformers import MistralConfig, MistralForCausalLM
 
     cfg = MistralConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
-    with pytest.raises(FlashdraftError, match="full attention"):
-        BatchDecoder(MistralForCausalLM(cfg).eval(), None)
+                        num_attention_heads=4, num_key_value_heads=2, sliding_window=8, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = MistralForCausalLM(cfg).eval()
+    dec = Decoder(model, None)
+    assert dec.cache is None and dec.capacity == 1
+    dec.join([5, 9, 11], DecodeSettings(max_new_tokens=4))
+    with pytest.raises(FlashdraftError, match="1 request at a time"):
+        dec.join([7, 8], DecodeSettings(max_new_tokens=4))
+    prompts = [[5, 9, 11, 40, 3, 7, 8, 9, 10, 11, 12], [7, 8, 9]]
+    kw = dict(max_new_tokens=24, stop_token_ids=(), temperature=0.9, seed=4)
+    res = decode_batch(model, None, prompts, max_batch=2, **kw)
+    assert [r.output_ids for r in res] == [generate_ids(model, None, p, **kw).output_ids for p in prompts]
+    assert all(r.num_new_tokens == 24 for r in res)
 
 
 def test_bad_batch_arguments():
     target = tiny_target("llama")
     with pytest.raises(FlashdraftError, match="max_batch"):
-        generate_batch(target, None, [[1, 2]], max_batch=0)
+        decode_batch(target, None, [[1, 2]], max_batch=0)
     with pytest.raises(FlashdraftError, match="settings for"):
-        generate_batch(target, None, [[1, 2]], [DecodeSettings(), DecodeSettings()])
+        decode_batch(target, None, [[1, 2]], [DecodeSettings(), DecodeSettings()])
 
 
 def test_python_api_generate_batch_takes_text_and_ids(tmp_path):
@@ -350,7 +362,7 @@ def test_real_target_batched_outputs_equal_its_own_greedy():
         ref = hf_greedy(reference, x, 48)
         refs.append(ref[: ref.index(2) + 1] if 2 in ref else ref)  # the target's EOS, where generate stops
     for adaptive in (False, True):  # fixed: every row drafts, so acceptance is ragged across the batch
-        res = generate_batch(target.model, drafter, ids, max_new_tokens=48, max_batch=8, adaptive=adaptive,
+        res = decode_batch(target.model, drafter, ids, max_new_tokens=48, max_batch=8, adaptive=adaptive,
                              stop_token_ids=target.stop_token_ids())
         for x, r, ref in zip(ids, res, refs):
             assert_greedy_lossless(reference, x, r.output_ids, ref)  # a divergence must be a near-tie, reported
@@ -370,7 +382,7 @@ def test_long_prompts_join_in_chunks_while_the_batch_decodes():
     alone = [generate_ids(target, drafter, short, max_new_tokens=30),
              generate_ids(target, drafter, long_, max_new_tokens=20),
              generate_ids(target, drafter, longer, max_new_tokens=20, temperature=0.8, seed=3)]
-    dec = BatchDecoder(target, drafter, adaptive=False, prefill_chunk=16)
+    dec = Decoder(target, drafter, adaptive=False, prefill_chunk=16)
     a, first = dec.join(short, max_new_tokens=30)
     assert len(first.emitted) == 1 and a in dec.active  # short: prefilled at once
     b, none = dec.join(long_, max_new_tokens=20)
@@ -396,7 +408,7 @@ def test_leaving_from_the_middle_outside_inference_mode():
     drafter = random_drafter(target, block_size=4)
     ps = prompts(3)
     alone = [generate_ids(target, drafter, p, max_new_tokens=20) for p in ps]
-    dec = BatchDecoder(target, drafter, adaptive=False)
+    dec = Decoder(target, drafter, adaptive=False)
     seqs = [dec.join(p, max_new_tokens=20)[0] for p in ps]
     dec.step()
     dec.leave(seqs[0])  # the hole is filled by the last row

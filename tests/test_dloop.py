@@ -9,7 +9,7 @@ import torch
 from flashdraft import Target, generate
 from flashdraft.checkpoint import save_drafter
 from flashdraft.cli import main
-from flashdraft.decoding.proposers import ChainProposer, DrafterPass, LoopProposer, stage_confidence
+from flashdraft.decoding.proposers import DrafterPass, LoopProposer, Proposal, stage_confidence
 from flashdraft.dflash2 import upgrade_to_dflash2
 from flashdraft.errors import FlashdraftError
 from flashdraft.sampling import SamplingParams
@@ -90,6 +90,17 @@ def test_stage_accounting_and_block_lengths(pair):
     assert 1 < res.mean_stages < 3
 
 
+def chain_proposer(target, drafter, params, gen):
+    """The drafter's chain made outside the decoder: one stage of b-1 drafts."""
+    run = DrafterPass(target, drafter)
+
+    def propose(q, start, b):
+        drafts, probs, _ = run.stage(q.draft_cache, q.take_pending()[None], [q.tokens[-1]], start, b - 1, params, gen)
+        return Proposal(drafts, probs, stages=1)
+
+    return propose
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_one_stage_is_plain_dflash(temperature):
     target = tiny_target("llama")
@@ -101,7 +112,7 @@ def test_one_stage_is_plain_dflash(temperature):
     assert _blocks(generate_ids(target, drafter, prompt, **kw, loop_stages=4, loop_gate=NEVER)) == _blocks(plain)
     params = SamplingParams(temperature)
     for make in (lambda g: LoopProposer(target, drafter, params, g, 1, ALWAYS),
-                 lambda g: ChainProposer(target, drafter, params, g)):
+                 lambda g: chain_proposer(target, drafter, params, g)):
         res = generate_ids(target, drafter, prompt, **kw, propose=make(torch.Generator().manual_seed(4)))
         assert _blocks(res) == _blocks(plain)
 

@@ -57,10 +57,10 @@ def tiny(request, tmp_path_factory):
 
 
 def decode(mlx_target, drafter, prompt, vocab, **kw):
-    from flashdraft.mlx.decode import decode_ids
+    from flashdraft.mlx.decode import mlx_generate_ids
 
     s = DecodeSettings(**{"max_new_tokens": 40, "lookup": False, "stop_token_ids": (), "tree": 0, **kw})
-    return decode_ids(mlx_target, drafter, prompt, s.resolve(drafter.config.block_size if drafter else None),
+    return mlx_generate_ids(mlx_target, drafter, prompt, s.resolve(drafter.config.block_size if drafter else None),
                       vocab, 512)
 
 
@@ -121,7 +121,7 @@ def test_mlx_drafter_logits_equal_torch(tiny):
 
     from flashdraft import target as T
     from flashdraft.drafter import ContextCache, draft_block
-    from flashdraft.mlx.drafter import ContextCache as MxCache
+    from flashdraft.mlx.drafter import MlxContextCache as MxCache
     from flashdraft.mlx.drafter import draft
 
     model, drafter, mt, md = tiny

@@ -20,7 +20,7 @@ from serve_load import Case, references, run_load
 import flashdraft
 from flashdraft.cli import main
 from flashdraft.decoding import DecodeSettings, generate_ids
-from flashdraft.serve.engine import HOLD_IDS, PerThread, SoloDecoder, TextTracker
+from flashdraft.serve.worker import HOLD_IDS, PerThread, TextTracker
 
 MODEL = "tiny-target"
 CONTEXT = 16384  # the tiny target's
@@ -668,25 +668,6 @@ def test_each_thread_gets_its_own_tokenizer_copy():
     for t in threads:
         t.join()
     assert len({id(tok) for tok, _ in seen.values()}) == 4 and all(d == {"abc def"} for _, d in seen.values())
-
-
-def test_solo_decoder_serves_targets_that_cannot_batch():
-    """Sliding-window targets decode one request at a time through a Session, behind the same interface."""
-    model = tiny_target("llama", seed=3, max_pos=1024)
-    drafter = random_drafter(model, block_size=4)
-    settings = DecodeSettings(max_new_tokens=20, temperature=0.8, seed=5, stop_token_ids=())
-    dec = SoloDecoder(model, drafter)
-    seq, first = dec.join([5, 9, 11, 40], settings, key="a")
-    out = list(first.emitted)
-    while dec.active:
-        [(q, cycle)] = dec.step()
-        assert q is seq and q.key == "a"
-        out += cycle.emitted
-    ref = generate_ids(model, drafter, [5, 9, 11, 40], settings)
-    assert out == dec.result(seq).output_ids == ref.output_ids
-    seq, _ = dec.join([7, 8], settings)
-    dec.leave(seq)
-    assert dec.active == [] and dec.step() == []
 
 
 # ---------------------------------------------------------------- command line

@@ -20,12 +20,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from serve_helpers import char_tokenizer
 
 from flashdraft.decoding import DecodeSettings, generate_ids
-from flashdraft.decoding.batch import BatchDecoder, generate_batch
+from flashdraft.decoding.decoder import Decoder, decode_batch
 from flashdraft.errors import FlashdraftError
 from flashdraft.models import Target
-from flashdraft.serve import api_key, check_options
+from flashdraft.cli.serve import api_key, check_options
 from flashdraft.serve.app import allowed_hosts, create_app, read_body
-from flashdraft.serve.engine import RATE_WINDOW_S, Engine, GenRequest, Stats, TextTracker
+from flashdraft.serve.worker import RATE_WINDOW_S, Worker, GenRequest, Stats, TextTracker
 from flashdraft.serve.protocol import MAX_STOP_CHARS, Served
 from flashdraft.serve.scheduler import Limits, Scheduler
 
@@ -43,7 +43,7 @@ def tiny():
 def make_app(tiny, api_key: str | None = None, hosts: list[str] | None = None, max_batch: int = 4,
              limits: Limits | None = None):
     target, drafter = tiny
-    engine = Engine(target, drafter, DecodeSettings(), max_batch)
+    engine = Worker(target, drafter, DecodeSettings(), max_batch)
     scheduler = Scheduler(engine, limits or Limits(request_timeout=60))
     app = create_app(scheduler, Served([MODEL], target, 16, engine.tokens), api_key, hosts)
     return app, scheduler
@@ -114,16 +114,16 @@ POISON_SEED = 666
 
 
 def poisoned_commit(monkeypatch, after: int = 2):
-    """BatchDecoder.commit raises (as torch.multinomial does on NaN probabilities) for rows seeded POISON_SEED once
+    """Decoder.commit raises (as torch.multinomial does on NaN probabilities) for rows seeded POISON_SEED once
     they have `after` cycles."""
-    real = BatchDecoder.commit
+    real = Decoder.commit
 
     def commit(self, row, q, p, out, block):
         if q.settings.seed == POISON_SEED and len(q.cycles) >= after:
             raise RuntimeError("probability tensor contains either inf, nan or element < 0")
         return real(self, row, q, p, out, block)
 
-    monkeypatch.setattr(BatchDecoder, "commit", commit)
+    monkeypatch.setattr(Decoder, "commit", commit)
 
 
 def test_a_failing_row_gets_a_generic_500_and_the_others_decode_on(served, monkeypatch, caplog):
@@ -166,7 +166,7 @@ def test_a_failing_row_gets_a_generic_500_and_the_others_decode_on(served, monke
 
 def test_batch_decoder_drops_a_failing_row_and_the_others_equal_generate(tiny, monkeypatch):
     """In the decoder itself, for a fault in a row's acceptance (commit) and in its draft choice (propose)."""
-    import flashdraft.decoding.batch as batch_mod
+    import flashdraft.decoding.decoder as batch_mod
 
     _, drafter = tiny
     model = tiny[0].model
@@ -187,7 +187,7 @@ def test_batch_decoder_drops_a_failing_row_and_the_others_equal_generate(tiny, m
         else:
             monkeypatch.undo()
             monkeypatch.setattr(batch_mod, "chain_from_pass", chain)
-        dec = BatchDecoder(model, drafter, DecodeSettings(max_new_tokens=30, stop_token_ids=()))
+        dec = Decoder(model, drafter, DecodeSettings(max_new_tokens=30, stop_token_ids=()))
         seqs = [dec.join(p, DecodeSettings(max_new_tokens=30, stop_token_ids=(), **k))[0] for p, k in zip(prompts, kw)]
         poisoned = seqs[2]
         failed = []
@@ -198,7 +198,7 @@ def test_batch_decoder_drops_a_failing_row_and_the_others_equal_generate(tiny, m
             assert q.output == ref.output_ids, where
         assert dec.cache.rows == 0
         with pytest.raises(RuntimeError):  # the Python API asked for every prompt: a failure fails the call
-            generate_batch(model, drafter, prompts, [DecodeSettings(max_new_tokens=30, stop_token_ids=(), **k)
+            decode_batch(model, drafter, prompts, [DecodeSettings(max_new_tokens=30, stop_token_ids=(), **k)
                                                      for k in kw])
 
 
@@ -206,7 +206,7 @@ def test_batch_decoder_drops_a_failing_row_and_the_others_equal_generate(tiny, m
 
 def test_the_rate_window_keeps_per_second_buckets(monkeypatch):
     clock = SimpleNamespace(t=1000.0)
-    monkeypatch.setattr("flashdraft.serve.engine.time.monotonic", lambda: clock.t)
+    monkeypatch.setattr("flashdraft.serve.worker.time.monotonic", lambda: clock.t)
     stats = Stats()
     for _ in range(100):  # 100 s at 1,000 events of 3 tokens per second
         for _ in range(1000):

@@ -177,7 +177,7 @@ def test_drafter_trees_equal_the_target(kind, dflash2):
 @pytest.mark.parametrize("dflash2", [False, True])
 def test_a_one_wide_tree_is_the_chain(dflash2):
     """Width 1 and budget b-1: the tree is the drafter's own chain (argmax, or the DFlash 2 greedy walk)."""
-    from flashdraft.decoding.proposers import TreeProposer
+    from flashdraft.decoding.proposers import DrafterPass, tree_from_pass
 
     target = tiny_target("llama")
     drafter = random_drafter(target, block_size=8)
@@ -187,8 +187,14 @@ def test_a_one_wide_tree_is_the_chain(dflash2):
             drafter.candidate_selector.hidden_projection.weight.normal_(0, 0.2)
     prompt = _prompt(20, target.config.vocab_size, seed=5)
     chain = generate_ids(target, drafter, prompt, block_size=8, max_new_tokens=30, tree=0, lookup=False).cycles
+    run = DrafterPass(target, drafter)
+
+    def one_wide_tree(q, start, b):  # the drafter's tree made outside the decoder, one child per node
+        hidden, logits = run(q.draft_cache, q.take_pending()[None], [q.tokens[-1]], start, b - 1)
+        return tree_from_pass(drafter, hidden[-(b - 1):], logits, q.tokens[-1], budget=b - 1, width=1)
+
     tree = generate_ids(target, drafter, prompt, block_size=8, max_new_tokens=30, lookup=False,
-                        propose=TreeProposer(target, drafter, budget=7, width=1)).cycles
+                        propose=one_wide_tree).cycles
     assert all(c.parents is not None for c in tree if len(c.block) > 1)
     assert [(c.block, c.accepted) for c in tree] == [(c.block, c.accepted) for c in chain]
 

@@ -1,10 +1,10 @@
-"""Speculative decoding: settings, state and results, proposers, the cycle, and the session that runs it."""
+"""Speculative decoding: settings, a request's state and result, proposers, and the decoder that runs cycles."""
 
+from .decoder import Decoder, decode_batch, generate_ids
 from .proposers import Proposal, Proposer
-from .session import Session, generate_ids
+from .request import Cycle, GenerationResult, Request, Timing, mean_acceptance
 from .settings import DEFAULT_TREE, DecodeSettings, add_decode_arguments, settings_from, settings_from_args
-from .state import Cycle, DecodeState, GenerationResult, Timing, mean_acceptance
 
-__all__ = ["DEFAULT_TREE", "Cycle", "DecodeSettings", "DecodeState", "GenerationResult", "Proposal", "Proposer",
-           "Session", "Timing", "add_decode_arguments", "generate_ids", "mean_acceptance", "settings_from",
+__all__ = ["DEFAULT_TREE", "Cycle", "DecodeSettings", "Decoder", "GenerationResult", "Proposal", "Proposer", "Request",
+           "Timing", "add_decode_arguments", "decode_batch", "generate_ids", "mean_acceptance", "settings_from",
            "settings_from_args"]

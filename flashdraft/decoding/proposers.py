@@ -1,7 +1,8 @@
-"""Proposers: what a cycle asks the target to verify. Each has one `propose(state, start, b) -> Proposal`.
+"""Proposals: what a cycle asks the target to verify, and the drafters that make them.
 
-- ChainProposer: one drafter pass, b-1 drafts (plain DFlash; DFlash 2's candidate-path walk sits in the drafter).
-- TreeProposer: one drafter pass, then the `budget` likeliest nodes of its continuations (tree.py), at most b-1 deep.
+- The drafter's one pass (DFlash 1 or 2), batched over rows in decoder.py: a chain of b-1 drafts
+  (chain_from_pass; DFlash 2's candidate-path walk sits in the drafter), or at T = 0 the `budget` likeliest nodes of
+  its continuations, at most b-1 deep (tree_from_pass, tree.py).
 - LoopProposer (DLoop): run the drafter for several stages per cycle while it is confident. Stage s runs the same
   drafter on an extended block at positions start .. start + s·(b−1): the anchor and all drafts of stages 1..s−1 as
   inputs (the target's embeddings of those tokens, exactly as the anchor is fed), followed by b−1 mask tokens. The
@@ -9,10 +10,9 @@
   condition on the unverified prefix: no new weights, the checkpoint format is unchanged; stage 1 is plain DFlash.
   After stage s the gate statistic Σ_k log q_k(d_k) over that stage's drafts decides: another stage runs only if
   s < S, the statistic > gate, and the longer block still ends before the generation's end.
-- LookupProposer: where the context's last n-gram recurs, the tokens that followed it (lookup.py) instead of — or,
-  for a tree at temperature 0 (lookup="tree"), beside — what the proposer it wraps would draft.
-
-`make_proposer` builds the right one from the drafter and the settings.
+- Prompt lookup: where the context's last n-gram recurs, the tokens that followed it (lookup.py) instead of — or,
+  for a tree at temperature 0 (lookup="tree"), beside — the drafter's proposal.
+- A custom proposer: any object with `propose(request, start, b) -> Proposal`, or a function (FunctionProposer).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from ..lookup import LOOKUP_BLOCK, lookup_drafts, one_hot_q
 from ..sampling import SamplingParams
 from ..tree import TREE_WIDTH, best_first_tree, graft_chain, node_depths
 from .settings import DecodeSettings
-from .state import DecodeState
+from .request import Request
 
 
 @dataclass
@@ -49,7 +49,7 @@ class Proposal:
 
 
 class Proposer(Protocol):
-    def propose(self, state: DecodeState, start: int, b: int) -> Proposal: ...
+    def propose(self, state: Request, start: int, b: int) -> Proposal: ...
 
 
 def no_drafts(device: torch.device) -> Proposal:
@@ -97,31 +97,6 @@ def tree_from_pass(drafter: DFlashDrafter, hidden: torch.Tensor, logits: torch.T
     return Proposal(torch.tensor(tokens, dtype=torch.long, device=logits.device), parents=parents, stages=1)
 
 
-class ChainProposer:
-    """Draft b-1 tokens in one drafter pass: argmax at T=0, else sampled from the processed q (DFlash 2: path walk)."""
-
-    def __init__(self, model: PreTrainedModel, drafter: DFlashDrafter, params: SamplingParams,
-                 gen: torch.Generator | None):
-        self.run, self.params, self.gen = DrafterPass(model, drafter), params, gen
-
-    def propose(self, state: DecodeState, start: int, b: int) -> Proposal:
-        drafts, q, _ = self.run.stage(state.draft_cache, state.take_pending()[None], [state.tokens[-1]], start, b - 1,
-                                      self.params, self.gen)
-        return Proposal(drafts, q, stages=1)
-
-
-class TreeProposer:
-    """One drafter pass, then the `budget` likeliest nodes of its continuations (tree.py), at most b-1 deep."""
-
-    def __init__(self, model: PreTrainedModel, drafter: DFlashDrafter, budget: int, width: int = TREE_WIDTH):
-        self.run, self.drafter, self.budget, self.width = DrafterPass(model, drafter), drafter, budget, width
-
-    def propose(self, state: DecodeState, start: int, b: int) -> Proposal:
-        anchor = state.tokens[-1]
-        hidden, logits = self.run(state.draft_cache, state.take_pending()[None], [anchor], start, b - 1)
-        return tree_from_pass(self.drafter, hidden[-(b - 1):], logits, anchor, self.budget, self.width)
-
-
 def stage_confidence(drafts: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor) -> float:
     """Σ_k log q_k(d_k): q is the proposal the drafts were sampled from, or softmax(raw logits) at temperature 0."""
     k = torch.arange(drafts.shape[0], device=drafts.device)
@@ -143,7 +118,7 @@ class LoopProposer:
         self.run, self.params, self.gen = DrafterPass(model, drafter), params, gen
         self.stages, self.gate = stages, gate
 
-    def propose(self, state: DecodeState, start: int, b: int) -> Proposal:
+    def propose(self, state: Request, start: int, b: int) -> Proposal:
         n = b - 1
         feats = state.take_pending()[None]  # committed features enter the drafter's cache once, in stage 1
         inputs, drafts, qs = [state.tokens[-1]], [], []
@@ -163,7 +138,7 @@ class LoopProposer:
 
 # ---------------------------------------------------------------- prompt lookup and custom proposers
 
-def lookup_proposal(state: DecodeState, start: int, b: int, greedy: bool, vocab: int, device: torch.device,
+def lookup_proposal(state: Request, start: int, b: int, greedy: bool, vocab: int, device: torch.device,
                     max_drafts: int | None = None) -> Proposal | None:
     """The tokens that followed the context's last recurring n-gram, or None. Deterministic: at T > 0 q is one-hot."""
     k = min(max(b, LOOKUP_BLOCK), state.end - start) - 1  # a lookup draft may run past a small drafter block
@@ -182,20 +157,6 @@ def graft(tree: Proposal, look: Proposal) -> Proposal:
                     stages=tree.stages, lookup=True)
 
 
-class LookupProposer:
-    """A prompt-lookup draft where the context's last n-gram recurs, else (or with graft, beside it in the tree)
-    what `inner` proposes."""
-
-    def __init__(self, inner: Proposer, graft: bool, greedy: bool, vocab: int, device: torch.device):
-        self.inner, self.graft, self.greedy, self.vocab, self.device = inner, graft, greedy, vocab, device
-
-    def propose(self, state: DecodeState, start: int, b: int) -> Proposal:
-        look = lookup_proposal(state, start, b, self.greedy, self.vocab, self.device)
-        if look is None:
-            return self.inner.propose(state, start, b)
-        return graft(self.inner.propose(state, start, b), look) if self.graft else look
-
-
 class FunctionProposer:
     """A plain function fn(state, start, b) → Proposal, or → (drafts [k], q [k, V] or None) for a chain of whole
     stages of b-1 drafts (tests' oracles, custom drafters)."""
@@ -203,7 +164,7 @@ class FunctionProposer:
     def __init__(self, fn: Callable):
         self.fn = fn
 
-    def propose(self, state: DecodeState, start: int, b: int) -> Proposal:
+    def propose(self, state: Request, start: int, b: int) -> Proposal:
         out = self.fn(state, start, b)
         if isinstance(out, Proposal):
             return out
@@ -214,24 +175,3 @@ class FunctionProposer:
 def as_proposer(propose) -> Proposer:
     """An object with .propose, or a function (see FunctionProposer)."""
     return propose if hasattr(propose, "propose") else FunctionProposer(propose)
-
-
-def make_proposer(model: PreTrainedModel, drafter: DFlashDrafter | None, settings: DecodeSettings,
-                  gen: torch.Generator | None, trees: bool, custom: Proposer | Callable | None = None) -> Proposer | None:
-    """The proposer a generation uses: `custom`, or the drafter's (tree where `trees`, DLoop, else chain), wrapped in
-    prompt lookup when settings.lookup; None when decoding plainly (block size 1 or no drafter)."""
-    params = settings.sampling
-    if custom is not None:
-        inner = as_proposer(custom)
-    elif drafter is None or settings.block_size <= 1:
-        return None
-    elif trees:
-        inner = TreeProposer(model, drafter, settings.tree)
-    elif settings.loop_stages > 1:
-        inner = LoopProposer(model, drafter, params, gen, settings.loop_stages, settings.loop_gate)
-    else:
-        inner = ChainProposer(model, drafter, params, gen)
-    if not settings.lookup or settings.block_size <= 1:
-        return inner
-    return LookupProposer(inner, graft=settings.lookup == "tree" and trees, greedy=params.greedy,
-                          vocab=T.vocab_size(model), device=model.device)

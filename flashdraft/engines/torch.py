@@ -1,4 +1,4 @@
-"""flashdraft's own decoding loop on a torch target: the one place that calls the decoding core."""
+"""flashdraft's own decoding loop (decoding/decoder.py) on a torch target, as an engine."""
 
 from __future__ import annotations
 
@@ -9,12 +9,6 @@ import torch
 from ..decoding import GenerationResult, generate_ids
 from ..decoding.settings import DEFAULTS, DecodeSettings
 from ..models import Target, load_drafter_or_plain
-
-
-def decode_ids(model: torch.nn.Module, drafter: torch.nn.Module | None, prompt_ids: list[int],
-               settings: DecodeSettings, on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
-    """Speculative decoding of prompt_ids with resolved settings (stop ids given; () stops at nothing)."""
-    return generate_ids(model, drafter, prompt_ids, settings, on_tokens=on_tokens)
 
 
 class TorchEngine:
@@ -52,7 +46,7 @@ class TorchEngine:
 
     def generate(self, prompt_ids: list[int], settings: DecodeSettings,
                  on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
-        result = decode_ids(self.target.model, self.drafter, prompt_ids, self.resolve(settings), on_tokens)
+        result = generate_ids(self.target.model, self.drafter, prompt_ids, self.resolve(settings), on_tokens=on_tokens)
         result.text = self.target.decode(result.output_ids)
         return result
 

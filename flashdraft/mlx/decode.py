@@ -1,8 +1,9 @@
 """One generation on MLX: prefill, then cycles of draft → verify (one lazy graph, one evaluation) → accept →
 commit.
 
-The rules are the torch engine's: acceptance is sampling.py's accept_greedy / accept_sampling, the first token and
-stops follow decoding/loop.py, records are decoding/state.py's GenerationResult. Arrays cross to the host once per
+The rules and the bookkeeping are the torch engine's: acceptance is sampling.py's accept_greedy / accept_sampling,
+the first token is decoding/loop.py's pick, and a decoding/request.py Request keeps tokens, room, stops, samplers,
+output, cycles and timing and turns into the GenerationResult. Arrays cross to the host once per
 cycle, after the verify: the drafts and the target's argmax ids (greedy), or the drafts, q and the verify logits
 (sampling). Prompt lookup drafts as in the torch engine; draft trees and DLoop stages are torch-only.
 """
@@ -16,9 +17,8 @@ import mlx.core as mx
 import numpy as np
 import torch
 
-from ..decoding.loop import pick, truncate
-from ..decoding.settings import DecodeSettings
-from ..decoding.state import Cycle, GenerationResult, Timing
+from ..decoding import Cycle, DecodeSettings, GenerationResult, Request
+from ..decoding.loop import pick
 from ..lookup import LOOKUP_BLOCK, lookup_drafts, one_hot_q
 from ..sampling import accept_greedy, accept_sampling, process
 from .drafter import ContextCache, MlxDrafter, draft
@@ -41,23 +41,18 @@ class MlxSession:
         self.split_timing = split_timing  # evaluate the drafts on their own to time drafting apart (the cost profile)
         self.target, self.drafter, self.settings, self.params = target, drafter, s, s.sampling
         self.vocab = vocab
-        room = min(s.max_new_tokens, context - len(prompt_ids))
-        self.tokens, self.num_prompt, self.end = list(prompt_ids), len(prompt_ids), len(prompt_ids) + room
-        self.room, self.stopped, self.stop_ids = room, False, set(s.stop_token_ids)
+        self.request = q = Request.open(prompt_ids, s, context)  # its torch samplers: the target's is shared
+        self.tokens, self.end, self.timing = q.tokens, q.end, q.timing
         self.cache, self.draft_cache = target.new_cache(), ContextCache()
         self.speculative = s.block_size > 1 and drafter is not None
         self.lookup = bool(s.lookup) and s.block_size > 1
         self.layer_ids = list(drafter.config.target_layer_ids) if self.speculative else []
         self.pending: mx.array | None = None  # features of committed positions not yet in the drafter's cache
-        # the target's sampler (torch, shared with the torch engine) and the drafter's (MLX) draw from their own streams
-        self.gen = torch.Generator().manual_seed(s.seed)
-        self.key = mx.random.key(s.seed + 1)
-        self.timing, self.cycles, self.output = Timing(), [], []
-        self.t0 = time.perf_counter()
+        self.key = mx.random.key(s.seed + 1)  # the drafter's sampler (MLX), apart from the target's (torch)
 
     @property
     def done(self) -> bool:
-        return self.stopped or self.room <= 0
+        return self.request.done
 
     def _add_pending(self, feats: mx.array | None) -> None:
         if feats is not None:
@@ -67,12 +62,10 @@ class MlxSession:
         t0 = time.perf_counter()
         logits, feats = self.target.forward(self.tokens, self.cache, self.layer_ids, keep=1)
         mx.eval(logits, *(() if feats is None else (feats,)))
-        first = pick(to_torch(logits[-1]), self.params, self.gen)
+        first = pick(to_torch(logits[-1]), self.params, self.request.gen)
         self._add_pending(feats)
-        self.tokens.append(first)
         self.timing.prefill_s = time.perf_counter() - t0
-        new, self.stopped = truncate([first], self.stop_ids, self.room)
-        return self._emit(Cycle([], 0, new))
+        return self.request.emit(Cycle([], 0, self.request.settle([first])))
 
     def _propose(self, start: int, b: int) -> tuple[mx.array, mx.array | None, int, bool]:
         """(drafts [k], q [k, V] or None, drafting stages, from prompt lookup), lazily."""
@@ -115,29 +108,20 @@ class MlxSession:
             mx.eval(drafts, logits, *extra, *(() if q is None or isinstance(q, torch.Tensor) else (q,)))
             d = to_torch(drafts).long()
             q_t = q if isinstance(q, torch.Tensor) else to_torch(q) if q is not None else torch.zeros(0, self.vocab)
-            n, nxt = accept_sampling(d, q_t, process(to_torch(logits), self.params), self.gen)
+            n, nxt = accept_sampling(d, q_t, process(to_torch(logits), self.params), self.request.gen)
         drafted = np.array(drafts).tolist()
-        new, self.stopped = truncate(drafted[:n] + [nxt], self.stop_ids, self.room)
+        new = self.request.settle(drafted[:n] + [nxt])
         trim(self.cache, len(drafted) + 1 - len(new))  # keep the anchor and the emitted drafts' rows
         if self.layer_ids:
             self._add_pending(feats[: len(new)])
-        self.tokens.extend(new)
         self.timing.verify_s += time.perf_counter() - t0  # with the draft, unless split_timing: one graph
-        cycle = Cycle([anchor] + drafted, n, new, stages, looked)
-        self.cycles.append(cycle)
-        return self._emit(cycle)
-
-    def _emit(self, cycle: Cycle) -> Cycle:
-        self.room -= len(cycle.emitted)
-        self.output.extend(cycle.emitted)
-        return cycle
+        return self.request.emit(Cycle([anchor] + drafted, n, new, stages, looked))
 
     def finish(self) -> GenerationResult:
-        self.timing.close(time.perf_counter() - self.t0, len(self.output))
-        return GenerationResult(self.output, self.num_prompt, self.cycles, self.timing, self.settings.record(False))
+        return self.request.result(self.settings.record(False))
 
 
-def decode_ids(target: MlxTarget, drafter: MlxDrafter | None, prompt_ids: list[int], settings: DecodeSettings,
+def mlx_generate_ids(target: MlxTarget, drafter: MlxDrafter | None, prompt_ids: list[int], settings: DecodeSettings,
                vocab: int, context: int, on_tokens: Callable[[list[int]], None] | None = None,
                split_timing: bool = False) -> GenerationResult:
     """Speculative decoding of prompt_ids on MLX with resolved settings (drafter None or block size 1: plainly);

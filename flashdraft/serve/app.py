@@ -24,10 +24,11 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from .. import __version__
-from .engine import Job, Outcome
+from ..decoding import GenerationResult
 from .protocol import (ApiError, ChatRequest, CompletionRequest, Parsed, Served, chunk_body, completion_body,
                        extension, new_id, now, parse, parse_json, sse, usage)
 from .scheduler import Scheduler
+from .worker import Job
 
 log = logging.getLogger("flashdraft.serve")
 
@@ -93,8 +94,8 @@ async def next_event(job: Job, timeout: float, request: Request | None = None) -
                 raise abort_error("client", timeout) from None
 
 
-def terminal(kind: str, payload, timeout: float) -> Outcome:
-    """A "done" event's Outcome; the other final events become the client's error (a failure names only the request
+def terminal(kind: str, payload, timeout: float) -> GenerationResult:
+    """A "done" event's result; the other final events become the client's error (a failure names only the request
     id: what went wrong is in the server log, never in the response)."""
     if kind == "done":
         return payload
@@ -302,7 +303,7 @@ def add_completion_routes(app: FastAPI, scheduler: Scheduler, served: Served, po
             return
         scheduler.finish(job, "ok", out)
         final = chunk_body(kind, rid, parsed.model, created, text=None if kind == "chat" else "",
-                           finish=out.finish_reason)
+                           finish=out.extras["finish_reason"])
         final["flashdraft"] = extension(parsed.gen, out, engine.block_size)
         yield sse(final)
         if parsed.include_usage:

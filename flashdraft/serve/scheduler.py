@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from .engine import BATCH_BUCKETS, Engine, GenRequest, Job, Outcome
+from ..decoding import GenerationResult
 from .protocol import ApiError
+from .worker import BATCH_BUCKETS, GenRequest, Job, Worker
 
 OUTCOMES = ("ok", "bad_request", "rejected", "unavailable", "timeout", "cancelled", "error")
 
@@ -33,14 +34,14 @@ class Metrics:
         self.prompt_tokens = self.completion_tokens = self.cycles = self.accepted = 0
         self.decode_s = 0.0
 
-    def record(self, outcome: str, gen: GenRequest | None = None, out: Outcome | None = None) -> None:
+    def record(self, outcome: str, gen: GenRequest | None = None, out: GenerationResult | None = None) -> None:
         self.requests[outcome] += 1
         if out is not None and gen is not None:
             self.prompt_tokens += len(gen.prompt_ids)
             self.completion_tokens += len(out.output_ids)
             self.cycles += len(out.acceptance_lengths)
             self.accepted += sum(out.acceptance_lengths)
-            self.decode_s += out.timing["total_s"]
+            self.decode_s += out.timing.total_s
 
 
 class Collector:
@@ -83,7 +84,7 @@ class Collector:
 class Scheduler:
     """Admits up to max_batch + max_queue requests and hands them, in order, to the engine's worker thread."""
 
-    def __init__(self, engine: Engine, limits: Limits):
+    def __init__(self, engine: Worker, limits: Limits):
         self.engine, self.limits, self.metrics = engine, limits, Metrics()
         self.admitted: set[Job] = set()  # until the handler has seen the job end
         self.draining = False
@@ -136,7 +137,7 @@ class Scheduler:
         self.engine.submit(job)
         return job
 
-    def finish(self, job: Job, outcome: str | None, out: Outcome | None = None) -> None:
+    def finish(self, job: Job, outcome: str | None, out: GenerationResult | None = None) -> None:
         """The handler is done with job (idempotent): free its slot, count it (unless outcome is None: counted
         elsewhere), and stop the worker on it."""
         if job not in self.admitted:

@@ -10,13 +10,12 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from ..decoding import Cycle, DecodeSettings, GenerationResult, Session, mean_acceptance
-from ..decoding.batch import BatchDecoder
+from ..decoding import Cycle, DecodeSettings, Decoder, GenerationResult, Request
 from ..decoding.settings import PREFILL_CHUNK
 from ..models import Target
 from ..target_batch import supports_batch
@@ -40,22 +39,6 @@ class GenRequest:
     seed: int = 0
     stops: list[str] = field(default_factory=list)
     ignore_eos: bool = False  # vLLM's extension: no stop tokens, so exactly max_tokens (what its benchmark sends)
-
-
-@dataclass
-class Outcome:
-    """What a finished generation reports: ids, text, why it ended, and the decoding stats."""
-
-    output_ids: list[int]
-    text: str
-    finish_reason: str  # "stop" (stop token or stop string) or "length"
-    acceptance_lengths: list[int]
-    timing: dict
-    batch: int = 1  # the most sequences any of its cycles was decoded with
-
-    @property
-    def tau(self) -> float:
-        return mean_acceptance(self.acceptance_lengths)
 
 
 class PerThread:
@@ -92,7 +75,7 @@ class Job:
     reason: str = ""
     admitted: float = field(default_factory=time.monotonic)
     state: str = "queued"  # "queued" → "running" (in the batch) → "ended"; written by the worker only
-    seq: object = None  # the worker's: its decoder sequence, text tracker, wait and largest batch
+    decoding: Request | None = None  # the worker's: its decoding request, text tracker, wait and largest batch
     tracker: TextTracker | None = None
     queue_s: float = 0.0
     batch: int = 1
@@ -110,7 +93,7 @@ class Job:
             self.cancel.set()
 
     def emit(self, kind: str, payload) -> None:
-        """Thread-safe: ("delta", text), ("done", Outcome), ("aborted", reason) or ("error", request id)."""
+        """Thread-safe: ("delta", text), ("done", GenerationResult), ("aborted", reason) or ("error", request id)."""
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
         except RuntimeError:  # the event loop has closed (shutdown): nobody is listening
@@ -262,46 +245,7 @@ class Stats:
         return n / max(min(t - first, t - self.started), 1e-3)
 
 
-class SoloDecoder:
-    """BatchDecoder's interface over one Session at a time, for targets it cannot batch (sliding-window layers)."""
-
-    def __init__(self, model: torch.nn.Module, drafter: torch.nn.Module | None):
-        self.model, self.drafter, self.active = model, drafter, []
-
-    def join(self, prompt_ids: list[int], settings: DecodeSettings, key: object = None) -> tuple[Session, Cycle]:
-        seq = Session(self.model, self.drafter, prompt_ids, settings)
-        seq.key, cycle = key, seq.prefill()
-        self.active = [] if seq.done else [seq]
-        return seq, cycle
-
-    def step(self) -> list[tuple[Session, Cycle]]:
-        """One cycle of the one session; what it raises is set as its `error` (as BatchDecoder reports a row's)."""
-        out = []
-        for seq in self.active:
-            try:
-                out.append((seq, seq.step()))
-            except Exception as e:  # noqa: BLE001 - reported on the request, as BatchDecoder's rows are
-                seq.error = e
-                out.append((seq, Cycle([], 0, [])))
-        self.active = [seq for seq in self.active if not seq.done and getattr(seq, "error", None) is None]
-        return out
-
-    def leave(self, seq: Session) -> None:
-        if seq in self.active:
-            self.active.remove(seq)
-
-    @property
-    def busy(self) -> bool:
-        return bool(self.active)
-
-    def result(self, seq: Session) -> GenerationResult:
-        return seq.finish()
-
-
-Decoder = BatchDecoder | SoloDecoder
-
-
-class Engine:
+class Worker:
     """A loaded target + drafter, the settings every request shares (block size, DLoop, prompt lookup, tree) and the
     worker thread that decodes up to max_batch requests together; each request brings its own length, sampling
     settings and seed."""
@@ -322,10 +266,9 @@ class Engine:
         self.thread: threading.Thread | None = None
 
     def decoder(self) -> Decoder:
-        if not self.batched:
-            return SoloDecoder(self.target.model, self.drafter)
-        return BatchDecoder(self.target.model, self.drafter, self.settings, adaptive=self.adaptive,
-                            slots=self.max_batch, prefill_chunk=self.prefill_chunk)
+        """A fresh decoder (one request at a time where the target cannot batch: sliding-window layers)."""
+        return Decoder(self.target.model, self.drafter, self.settings, adaptive=self.adaptive, slots=self.max_batch,
+                       prefill_chunk=self.prefill_chunk)
 
     def settings_for(self, req: GenRequest) -> DecodeSettings:
         """req's settings: the same as flashdraft.generate_ids gets (so outputs are identical)."""
@@ -364,7 +307,7 @@ class Engine:
             self.stats.step(len(results), sum(len(c.emitted) for _, c in results))
             for seq, cycle in results:
                 seq.key.batch = max(seq.key.batch, len(results))
-                if getattr(seq, "error", None) is not None:  # that row left the batch; the others went on
+                if seq.error is not None:  # that row left the batch; the others went on
                     self.fail(dec, seq.key, seq.error)
                 else:
                     self.advance(dec, seq.key, cycle)
@@ -388,7 +331,7 @@ class Engine:
         job.queue_s = time.monotonic() - job.admitted
         job.tracker = TextTracker(self.tokens.decode, job.request.stops)
         try:
-            job.seq, cycle = dec.join(job.request.prompt_ids, self.settings_for(job.request), key=job)
+            job.decoding, cycle = dec.join(job.request.prompt_ids, self.settings_for(job.request), key=job)
         except Exception as e:  # reported to the client as a 500; the others keep decoding
             return self.fail(dec, job, e)
         job.state = "running"
@@ -403,7 +346,7 @@ class Engine:
             if time.monotonic() > job.deadline:
                 job.abort("timeout")
             if job.cancel.is_set():
-                dec.leave(job.seq)
+                dec.leave(job.decoding)
                 self.end(job, "aborted", job.reason or "client")
 
     def advance(self, dec: Decoder, job: Job, cycle: Cycle) -> None:
@@ -412,8 +355,8 @@ class Engine:
             delta = job.tracker.add(cycle.emitted)
             if delta and job.stream:
                 job.emit("delta", delta)
-            if job.tracker.stopped or job.seq.done:
-                dec.leave(job.seq)
+            if job.tracker.stopped or job.decoding.done:
+                dec.leave(job.decoding)
                 self.end(job, "done", self.outcome(dec, job))
         except Exception as e:  # noqa: BLE001 - this request's fault only
             self.fail(dec, job, e)
@@ -421,21 +364,23 @@ class Engine:
     def fail(self, dec: Decoder, job: Job, e: BaseException) -> None:
         """End job with a 500 that names only its request id; the traceback goes to the server log."""
         log.error("request %s failed while decoding", job.rid, exc_info=e)
-        if job.seq is not None:
-            dec.leave(job.seq)
+        if job.decoding is not None:
+            dec.leave(job.decoding)
         self.end(job, "error", job.rid)
 
-    def outcome(self, dec: Decoder, job: Job) -> Outcome:
+    def outcome(self, dec: Decoder, job: Job) -> GenerationResult:
+        """The job's result: the ids and text its client got (cut at a stop string), why it ended, its wait and its
+        largest batch (extras)."""
         tracker = job.tracker
         rest = tracker.finish()
         if rest and job.stream:
             job.emit("delta", rest)
-        timing, ids = dec.result(job.seq).timing, tracker.ids
-        timing.close(timing.total_s, len(ids))
+        result, ids = dec.result(job.decoding), tracker.ids
+        result.timing.close(result.timing.total_s, len(ids))
         stopped = tracker.stopped or (bool(ids) and ids[-1] in self.stop_ids)
-        return Outcome(ids, tracker.text, "stop" if stopped else "length",
-                       [c.accepted + 1 for c in job.seq.cycles], {**asdict(timing), "queue_s": job.queue_s},
-                       job.batch)
+        result.output_ids, result.text = ids, tracker.text
+        result.extras = {"finish_reason": "stop" if stopped else "length", "queue_s": job.queue_s, "batch": job.batch}
+        return result
 
     def end(self, job: Job, kind: str, payload) -> None:
         job.state = "ended"
