@@ -1,5 +1,5 @@
 # Quick start: `make demo` (install + default target + generate) and `make test` (install + llama.cpp, vLLM and MLX
-# + test suite).
+# + test suite). `make docs` builds the documentation site into site/.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -16,7 +16,7 @@ LLAMACPP_TOOLS := llama-server
 JOBS ?= $(shell nproc)
 COMMA := ,
 
-.PHONY: install demo test test-fast llamacpp vllm mlx clean
+.PHONY: install demo test test-fast llamacpp vllm mlx docs clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -80,5 +80,13 @@ test: install llamacpp vllm mlx
 test-fast: install llamacpp vllm mlx
 	$(PY) -m pytest -q -m "not slow"
 
+# The documentation site (mkdocs-material, the `docs` extra): every page in the nav, every link and anchor resolving.
+$(VENV)/.docs: $(VENV)/.installed
+	$(PIP) install --quiet -e ".[docs]"
+	touch $@
+
+docs: install $(VENV)/.docs
+	$(VENV)/bin/mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache site
