@@ -12,19 +12,17 @@ from safetensors.torch import load_file, save_file
 from .atomic import atomic_dir
 from .config import DrafterConfig, config_to_dict, load_config
 from .drafter import DFlashDrafter
+from .dtypes import DTYPE_NAMES, dtype_name
 from .errors import FlashdraftError
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     """'bfloat16' / 'torch.bfloat16' / torch.bfloat16 → torch.bfloat16."""
     if isinstance(name, torch.dtype):
         return name
-    key = str(name).replace("torch.", "")
-    if key not in DTYPES:
-        raise FlashdraftError(f"unknown dtype {name!r}; use one of {sorted(DTYPES)}")
-    return DTYPES[key]
+    return DTYPES[dtype_name(name)]
 
 
 def build_drafter(config: DrafterConfig) -> torch.nn.Module:

@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from transformers import Qwen3Config
+
 from .errors import FlashdraftError
 
 ARCHITECTURES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2"}
@@ -78,8 +80,6 @@ class DrafterConfig:
 
     def to_qwen3(self):
         """A transformers Qwen3Config with the same backbone fields (for RoPE, norms, MLP)."""
-        from transformers import Qwen3Config
-
         rope = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
         if "type" in rope and "rope_type" not in (self.rope_scaling or {}):
             rope["rope_type"] = rope.pop("type")

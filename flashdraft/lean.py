@@ -90,13 +90,13 @@ def supported(model: PreTrainedModel) -> bool:
 
 def lean_model(model: PreTrainedModel, pack: bool = False) -> LeanModel | None:
     """The lean view of a loaded, frozen target, or None when `supported` says no; pack: oneDNN-pack the fused
-    weights where packed.supported allows (as pack_linears does for the HF modules)."""
+    weights where packed.packable allows (as pack_linears does for the HF modules)."""
     if not supported(model):
         return None
 
     def _weight(w: torch.Tensor) -> torch.Tensor:
         w = w.detach().contiguous()
-        return packed.pack_weight(w) if pack and packed.supported(w.device, w.dtype) else w
+        return packed.pack_weight(w) if pack and packed.packable(w.device, w.dtype) else w
 
     cfg = model.config.get_text_config()
     params = list(model.parameters())
@@ -134,8 +134,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
 
 
-def forward(lm: LeanModel, ids: torch.Tensor, pos: torch.Tensor, cache: DynamicCache, mask: torch.Tensor | None,
-            layer_ids: list[int], logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+def lean_forward(lm: LeanModel, ids: torch.Tensor, pos: torch.Tensor, cache: DynamicCache,
+                 mask: torch.Tensor | None, layer_ids: list[int], logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """ids, pos [N, W] on top of cache (K/V appended by each cache layer's update; mask: additive
     [N, 1, W, keys] or None for plain causal over one row) → (float32 logits [N, W or keep, V], features
     [N, W, F] = hidden_states[i + 1] for i in layer_ids, or None)."""

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
 
 from .atomic import atomic_dir
 from .checkpoint import check_compatible, load_drafter, parse_dtype
@@ -99,8 +101,6 @@ def converted_dir(name: str) -> Path:
     if (out / "config.json").is_file():
         return out
     src = gguf_path(entry)
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     print(f"flashdraft: converting {src.name} to safetensors once (cached in {out}) …", file=sys.stderr)
     tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
     quant = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
@@ -130,9 +130,6 @@ def load_target(name: str | None = None, dtype: str | torch.dtype = "float32", d
 
     packed: on CPU, run its linear layers on oneDNN-packed copies of their weights (flashdraft.packed).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
     name = name or DEFAULT_TARGET
     path = resolve_target(name)
     local = Path(path).is_dir()

@@ -21,7 +21,7 @@ from torch import nn
 BATCH_HINT = 8
 
 
-def supported(device: torch.device | str, dtype: torch.dtype) -> bool:
+def packable(device: torch.device | str, dtype: torch.dtype) -> bool:
     """oneDNN packing applies on CPU to float32 weights, and to bfloat16 ones where the CPU has oneDNN's bf16 path
     (AVX-512 BW/VL/DQ or AVX-NE-CONVERT); FLASHDRAFT_PACKED=0 turns it off."""
     if (os.environ.get("FLASHDRAFT_PACKED", "1") == "0" or torch.device(device).type != "cpu"
@@ -63,7 +63,7 @@ def pack_linears(model: nn.Module) -> int:
     for mod in model.modules():
         if not isinstance(mod, nn.Linear) or getattr(mod, "packed_weight", None) is not None:
             continue
-        if not supported(mod.weight.device, mod.weight.dtype):
+        if not packable(mod.weight.device, mod.weight.dtype):
             continue
         mod.packed_weight = pack_weight(mod.weight)
         mod.packed_bias = None if mod.bias is None else mod.bias.detach()

@@ -177,8 +177,8 @@ def forward(model: PreTrainedModel, ids: torch.Tensor, start: int, cache: Dynami
         extra["attention_mask"] = tree_mask(parents, start, model.dtype, ids.device)
     lm = lean.current(model) if not torch.is_grad_enabled() else None
     if lm is not None:
-        logits, feats = lean.forward(lm, ids[None], pos, cache, extra.get("attention_mask"), layer_ids,
-                                     logits_to_keep)
+        logits, feats = lean.lean_forward(lm, ids[None], pos, cache, extra.get("attention_mask"), layer_ids,
+                                          logits_to_keep)
         return TargetOutput(logits[0], feats[0] if feats is not None else ids.new_zeros(0))
     out = model(input_ids=ids[None], position_ids=pos, use_cache=True, output_hidden_states=bool(layer_ids),
                 logits_to_keep=logits_to_keep, **extra, **{cache_kwarg(model): cache})

@@ -177,7 +177,7 @@ def forward_batch(model: PreTrainedModel, blocks: list[list[int]], parents: list
     cache.begin(ids.shape[1])
     lm = lean.current(model) if not torch.is_grad_enabled() else None
     if lm is not None:
-        logits, feats = lean.forward(lm, ids, pos, cache, mask, layer_ids)
+        logits, feats = lean.lean_forward(lm, ids, pos, cache, mask, layer_ids)
         return [T.TargetOutput(logits[i, :len(b)], feats[i, :len(b)] if feats is not None else ids.new_zeros(0))
                 for i, b in enumerate(blocks)]
     out = model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,

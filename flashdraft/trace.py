@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from .atomic import write_text
 from .errors import FlashdraftError
 from .tree import child
 
@@ -29,7 +30,7 @@ HEAT_TOP = 5  # accepted drafts from which a cycle gets the darkest colour
 
 
 @dataclass
-class Cycle:
+class TraceCycle:
     """One verify cycle as the page shows it."""
 
     index: int
@@ -76,8 +77,9 @@ def int_list(value, what: str) -> list[int]:
 
 
 def raw_cycles(record: dict) -> list[dict]:
-    """The record's cycles, or cycles rebuilt from acceptance_lengths (drafts unknown) when it has none."""
-    if isinstance(record.get("cycles"), list):
+    """The record's cycles, or cycles rebuilt from acceptance_lengths (drafts unknown) when it has none (an engine
+    that reports only acceptance, as llama.cpp and vLLM: their records' cycles are empty)."""
+    if isinstance(record.get("cycles"), list) and (record["cycles"] or not record.get("acceptance_lengths")):
         return record["cycles"]
     lengths = int_list(record.get("acceptance_lengths"), "acceptance_lengths")
     if any(a < 1 for a in lengths):
@@ -85,7 +87,7 @@ def raw_cycles(record: dict) -> list[dict]:
     return [{"block": None, "accepted": a - 1} for a in lengths]
 
 
-def tree_path(c: Cycle) -> tuple[int, ...]:
+def tree_path(c: TraceCycle) -> tuple[int, ...]:
     """The kept root path of a tree cycle: node indices matching its kept tokens."""
     path, at = [], -1
     for tok in c.emitted[: c.accepted]:
@@ -96,7 +98,7 @@ def tree_path(c: Cycle) -> tuple[int, ...]:
     return tuple(path)
 
 
-def lookup_path(c: Cycle, budget: int | None) -> frozenset[int]:
+def lookup_path(c: TraceCycle, budget: int | None) -> frozenset[int]:
     """A grafted lookup path's nodes: those past the drafter's budget were appended by the graft, the last its leaf."""
     if not (c.lookup and c.parents and budget is not None and len(c.drafts) > budget):
         return frozenset()
@@ -107,7 +109,7 @@ def lookup_path(c: Cycle, budget: int | None) -> frozenset[int]:
     return frozenset(nodes)
 
 
-def source_of(c: Cycle) -> str:
+def source_of(c: TraceCycle) -> str:
     """Where the kept path came from (a key of SOURCES)."""
     if c.block is None:
         return "lookup" if c.lookup else ("drafter" if c.accepted else "none")
@@ -139,12 +141,13 @@ def check_cycle(raw: dict, i: int) -> tuple[int, list[int] | None, list[int] | N
     return raw["accepted"], block, parents
 
 
-def build_cycles(record: dict) -> list[Cycle]:
+def build_cycles(record: dict) -> list[TraceCycle]:
     """The record's cycles with their emitted tokens, kept paths and sources; one-line errors for bad records."""
     if not isinstance(record, dict):
         raise fail("it is not a JSON object")
     out_ids = int_list(record.get("output_ids"), "output_ids")
-    raws, exact = raw_cycles(record), isinstance(record.get("cycles"), list)
+    raws = raw_cycles(record)
+    exact = raws is record.get("cycles")  # the record's own cycles, not ones rebuilt from acceptance lengths
     budget = part(record, "config").get("tree")
     cycles, pos = [], min(1, len(out_ids))
     for i, raw in enumerate(raws):
@@ -153,7 +156,8 @@ def build_cycles(record: dict) -> list[Cycle]:
         if exact and (not emitted or (len(emitted) < accepted + 1 and i != len(raws) - 1)):
             raise fail(f"its cycles emit more tokens than output_ids holds ({len(out_ids)})")
         stages = raw.get("stages") if isinstance(raw.get("stages"), int) else None
-        c = Cycle(i, accepted, pos, emitted, block, parents, bool(raw.get("lookup")), stages, num(raw.get("time_s")))
+        c = TraceCycle(i, accepted, pos, emitted, block, parents, bool(raw.get("lookup")), stages,
+                       num(raw.get("time_s")))
         c.path = tree_path(c) if parents is not None else tuple(range(min(accepted, len(c.drafts))))
         c.lookup_nodes = lookup_path(c, budget if isinstance(budget, int) else None)
         c.source = source_of(c)
@@ -164,7 +168,7 @@ def build_cycles(record: dict) -> list[Cycle]:
     return cycles
 
 
-def mark_lookup(cycles: list[Cycle], stages: list, lookup_cycles: int) -> None:
+def mark_lookup(cycles: list[TraceCycle], stages: list, lookup_cycles: int) -> None:
     """Bench turns: a drafter cycle with 0 stages was drafted by prompt lookup (used when the counts agree)."""
     zero = [c for c, s in zip(cycles, stages) if s == 0]
     if len(stages) == len(cycles) and len(zero) == lookup_cycles:
@@ -234,7 +238,7 @@ def chips(tt: TokenText, toks: list[int], cls: str = "") -> str:
     return "".join(chip(tt, t, cls) for t in toks)
 
 
-def tau(cycles: list[Cycle]) -> float:
+def tau(cycles: list[TraceCycle]) -> float:
     return statistics.fmean(c.accepted + 1 for c in cycles) if cycles else 0.0
 
 
@@ -242,7 +246,7 @@ def heat(accepted: int) -> str:
     return f"a{min(accepted, HEAT_TOP)}"
 
 
-def text_view(record: dict, cycles: list[Cycle], tt: TokenText) -> str:
+def text_view(record: dict, cycles: list[TraceCycle], tt: TokenText) -> str:
     """The generated text; every cycle's emitted tokens are one span (kept drafts, then the target's token)."""
     ids = record["output_ids"]
     parts = [f'<span class="pre" title="first token: from the prefill">{visible("".join(map(tt, ids[:1])))}</span>']
@@ -255,7 +259,7 @@ def text_view(record: dict, cycles: list[Cycle], tt: TokenText) -> str:
     return f'<div class="text" id="text">{"".join(parts)}</div>'
 
 
-def verdict(c: Cycle, tt: TokenText) -> str:
+def verdict(c: TraceCycle, tt: TokenText) -> str:
     """The cycle's outcome: the first rejected draft beside the target's token, or the bonus token, or a cut."""
     target = c.emitted[c.accepted] if len(c.emitted) > c.accepted else None
     if target is None:
@@ -274,7 +278,7 @@ def verdict(c: Cycle, tt: TokenText) -> str:
             f'<span class="arrow">target</span>{chip(tt, target, "tgt")}</p>')
 
 
-def tree_html(c: Cycle, tt: TokenText) -> str:
+def tree_html(c: TraceCycle, tt: TokenText) -> str:
     """A draft tree as nested lists: the kept path highlighted, the failed alternatives marked."""
     kids: dict[int, list[int]] = {}
     for i, p in enumerate(c.parents or []):
@@ -293,14 +297,14 @@ def tree_html(c: Cycle, tt: TokenText) -> str:
             f'{f"<ul>{roots}</ul>" if roots else ""}</li></ul>')
 
 
-def chain_row(c: Cycle, tt: TokenText) -> str:
+def chain_row(c: TraceCycle, tt: TokenText) -> str:
     """A chain's drafts: kept, first rejected, and the rest (never reached)."""
     d, k = c.drafts, c.accepted
     boxes = chips(tt, d[:k], "on") + (chip(tt, d[k], "rej") if k < len(d) else "") + chips(tt, d[k + 1:], "off")
     return f'<p class="row"><span class="lbl">drafts</span>{chip(tt, c.block[0], "anchor")}{boxes}</p>'
 
 
-def cycle_meta(c: Cycle, n_tokens: int) -> str:
+def cycle_meta(c: TraceCycle, n_tokens: int) -> str:
     """The one-line facts of a cycle."""
     drafted = "" if c.block is None else f" of {len(c.drafts)}"
     facts = [f"kept {c.accepted}{drafted} draft{'s' if c.accepted != 1 or drafted else ''}",
@@ -312,7 +316,7 @@ def cycle_meta(c: Cycle, n_tokens: int) -> str:
     return " · ".join(facts)
 
 
-def drafted_by(c: Cycle) -> str:
+def drafted_by(c: TraceCycle) -> str:
     """What proposed the cycle's drafts."""
     if c.lookup:
         return "drafter tree + lookup path" if c.parents else "prompt lookup"
@@ -323,7 +327,7 @@ def drafted_by(c: Cycle) -> str:
     return "drafter chain" if c.drafts else "nothing (block 1)"
 
 
-def detail(c: Cycle, tt: TokenText, n_tokens: int) -> str:
+def detail(c: TraceCycle, tt: TokenText, n_tokens: int) -> str:
     """The pre-rendered details of one cycle (shown on hover or click)."""
     if c.block is None:
         body = '<p class="note">This record keeps acceptance lengths only: the drafts were not recorded.</p>'
@@ -340,7 +344,7 @@ def detail(c: Cycle, tt: TokenText, n_tokens: int) -> str:
 
 # ---------------------------------------------------------------- plots (inline SVG)
 
-def histogram_svg(cycles: list[Cycle]) -> str:
+def histogram_svg(cycles: list[TraceCycle]) -> str:
     """Cycles per acceptance length (accepted + 1)."""
     counts = Counter(c.accepted + 1 for c in cycles)
     top = max(counts, default=1)
@@ -360,7 +364,7 @@ def histogram_svg(cycles: list[Cycle]) -> str:
             f'aria-label="acceptance histogram">{"".join(bars)}</svg>')
 
 
-def cycles_svg(cycles: list[Cycle]) -> str:
+def cycles_svg(cycles: list[TraceCycle]) -> str:
     """One bar per cycle: its time when the record has per-cycle times, else its accepted drafts."""
     timed = bool(cycles) and all(c.time_s is not None for c in cycles)
     vals = [1000 * c.time_s if timed else c.accepted for c in cycles]
@@ -408,16 +412,16 @@ def timing_svg(timing: dict) -> str:
 
 # ---------------------------------------------------------------- the page
 
-def by_source(cycles: list[Cycle]) -> str:
+def by_source(cycles: list[TraceCycle]) -> str:
     """Cycles and mean tokens per cycle for each kind of drafting."""
-    groups: dict[str, list[Cycle]] = {}
+    groups: dict[str, list[TraceCycle]] = {}
     for c in cycles:
         groups.setdefault(drafted_by(c), []).append(c)
     rows = "".join(f"<tr><td>{k}</td><td>{len(v)}</td><td>{tau(v):.2f}</td></tr>" for k, v in groups.items())
     return f'<table class="src-table"><tr><th>drafted by</th><th>cycles</th><th>τ</th></tr>{rows}</table>'
 
 
-def summary(record: dict, cycles: list[Cycle]) -> str:
+def summary(record: dict, cycles: list[TraceCycle]) -> str:
     """τ, counts, settings, histogram, timing and the by-source table."""
     config, timing = part(record, "config"), part(record, "timing")
     facts = [f"{len(record['output_ids'])} new tokens", f"{len(cycles)} cycles"]
@@ -432,7 +436,7 @@ def summary(record: dict, cycles: list[Cycle]) -> str:
             f'<figure><figcaption>time, whole generation</figcaption>{timing_svg(timing)}</figure></section>')
 
 
-def legend(cycles: list[Cycle]) -> str:
+def legend(cycles: list[TraceCycle]) -> str:
     """Colour keys for the text spans (the kept-path sources this record has)."""
     present = {c.source for c in cycles}
     heats = "".join(f'<span class="cyc a{k}">{k}{"+" if k == HEAT_TOP else ""}</span>' for k in range(HEAT_TOP + 1))
@@ -470,8 +474,6 @@ def render(record: dict, token_text: TokenText) -> str:
 
 def write_trace(record: dict, path: str | Path, token_text: TokenText) -> Path:
     """Render record and write the page to path atomically; returns the path."""
-    from .atomic import write_text
-
     page = render(record, token_text)
     write_text(path, page)
     return Path(path)

@@ -1,6 +1,9 @@
-"""`flashdraft generate` end to end on a tiny model directory: JSON record, streaming, one-line errors."""
+"""`flashdraft generate` end to end on a tiny model directory: JSON record, streaming, one-line errors; a command
+line that loads no torch for --help and argument errors."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -137,3 +140,36 @@ def test_weights_only_target_dir_decodes_prompt_ids(dirs, tmp_path, capsys):
     assert json.loads(out)["output_ids"] == hf_greedy(model, [4, 5, 6], 16)
     code, _, err = run(capsys, "generate", "hello", "--target", str(tmp_path / "bare"))
     assert code == 2 and "--prompt-ids" in err
+
+
+# ---------------------------------------------------------------- a light command line
+
+LIGHT_PROBE = """
+import contextlib, io, sys
+from flashdraft.cli import main
+codes = []
+for argv in {argvs!r}:
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            codes.append(main(argv))
+        except SystemExit as e:
+            codes.append(e.code)
+print(codes, sorted(m for m in ("torch", "transformers", "vllm", "mlx", "fastapi") if m in sys.modules))
+"""
+
+
+@pytest.mark.parametrize("argvs,codes", [
+    ([["--help"]], [0]),
+    ([[cmd, "--help"] for cmd in ("generate", "bench", "serve", "load", "export", "trace", "prepare", "train",
+                                   "draft-vocab")], [0] * 9),
+    ([["generate", "hi", "--bogus"], ["generate"], ["serve", "--port", "99999"], ["serve", "--engine", "llamacpp"],
+      ["serve", "--engine", "vllm", "--tree", "3"], ["bench", "--dataset", "x", "--out", "/nonexistent/x",
+                                                     "--methods", "bogus"]], [2] * 6),
+])
+def test_help_and_argument_errors_import_no_torch(argvs, codes):
+    """`flashdraft --help`, each command's --help and one-line argument errors load neither torch nor the engines
+    (a fresh process: this one has torch loaded already)."""
+    out = subprocess.run([sys.executable, "-c", LIGHT_PROBE.format(argvs=argvs)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == f"{codes} []", out.stdout

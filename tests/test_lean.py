@@ -89,7 +89,7 @@ def test_unsupported_targets_keep_the_hf_forward():
 def test_grad_mode_takes_the_hf_forward(monkeypatch):
     """Training runs the target with autograd; the lean copies are frozen, so that path must not be taken."""
     model = tiny_target("llama")
-    monkeypatch.setattr(lean, "forward", lambda *a, **k: pytest.fail("lean forward under autograd"))
+    monkeypatch.setattr(lean, "lean_forward", lambda *a, **k: pytest.fail("lean forward under autograd"))
     with torch.enable_grad():
         T.forward(model, torch.tensor([1, 2, 3]), 0, T.new_cache(model), [1])
 

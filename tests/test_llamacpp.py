@@ -15,7 +15,7 @@ from flashdraft.cli import main
 from flashdraft.config import load_config
 from flashdraft.errors import FlashdraftError
 from flashdraft.llamacpp import build, gguf
-from flashdraft.llamacpp.server import LlamaServer
+from flashdraft.llamacpp.server import Completion, LlamaServer
 from flashdraft.models import registered_drafter
 from helpers import random_drafter, save_tiny_model_dir
 
@@ -102,7 +102,7 @@ def test_missing_draft_time_is_none_not_zero(tmp_path):
     the result, its timing and the bench turn record, and the report shows no per-cycle split."""
     from flashdraft.bench.methods import run_llamacpp
     from flashdraft.bench.runs import turn_record
-    from flashdraft.engines.llamacpp import LlamaCppResult
+    from flashdraft.engines.llamacpp import completion_result
 
     server = LlamaServer(tmp_path / "m.gguf", tmp_path / "d.gguf", 8)
     log = tmp_path / "server.log"
@@ -111,8 +111,10 @@ def test_missing_draft_time_is_none_not_zero(tmp_path):
                    "I slot      release: id  0 | task 0 | stop processing: n_tokens = 20\n")
     assert server.read_cycles() == ([4], 7, None)
     server.log.close()
-    r = LlamaCppResult([5, 6, 7, 8, 9], 3, 10.0, 40.0, None, {}, [4])
+    r = completion_result(Completion([5, 6, 7, 8, 9], 10.0, 40.0, [4], None), 3, {})
     assert r.timing.draft_s is None and r.to_record()["timing"]["draft_s"] is None
+    assert r.cycles == [] and r.acceptance_lengths == [4] and r.extras["draft_ms"] is None
+    assert r.timing.tokens_per_s == pytest.approx(4 / 0.04)  # the decode rate: tokens after the first / gen time
     engine = types.SimpleNamespace(generate=lambda ids, s: r)
     settings = types.SimpleNamespace(engine=engine, decode=None)
     sample = run_llamacpp(None, [1, 2, 3], settings)

@@ -5,7 +5,7 @@ import json
 import pytest
 from serve_helpers import make_model_dirs
 
-from flashdraft.bench.load import pct, summarize, Outcome
+from flashdraft.bench.load import ClientOutcome, pct, summarize_clients
 from flashdraft.cli import main
 
 
@@ -39,8 +39,9 @@ def test_load_refuses_bad_arguments(tmp_path, capsys):
 
 
 def test_summary_percentiles_and_errors():
-    outs = [Outcome(True, 10, 1.0, 0.1), Outcome(True, 10, 3.0, 0.2), Outcome(False, error="HTTP 429")]
-    s = summarize(outs, 2.0)
+    outs = [ClientOutcome(True, 10, 1.0, 0.1), ClientOutcome(True, 10, 3.0, 0.2),
+            ClientOutcome(False, error="HTTP 429")]
+    s = summarize_clients(outs, 2.0)
     assert s["ok"] == 2 and s["errors"] == ["HTTP 429"] and s["tokens_per_s"] == 10.0
     assert s["latency_p50_s"] == 1.0 and s["latency_p95_s"] == 3.0 and pct([], 50) is None
 

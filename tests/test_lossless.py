@@ -108,7 +108,7 @@ def test_bf16_target_and_drafter_run(dflash2, packed):
     fp32 (bf16 block/step numerics may differ). On a CPU without oneDNN's bf16 path (AVX2 only) packing must
     leave the layers on torch's own linears instead of raising."""
     from flashdraft.dflash2 import upgrade_to_dflash2
-    from flashdraft.packed import pack_linears, supported
+    from flashdraft.packed import pack_linears, packable
 
     target = tiny_target("qwen3")
     drafter = random_drafter(target)
@@ -117,7 +117,7 @@ def test_bf16_target_and_drafter_run(dflash2, packed):
     target, drafter = target.to(torch.bfloat16), drafter.to(torch.bfloat16)
     if packed:
         n_target, n_drafter = pack_linears(target), pack_linears(drafter)
-        if supported("cpu", torch.bfloat16):
+        if packable("cpu", torch.bfloat16):
             assert n_target > 0 and n_drafter > 0
         else:
             assert n_target == n_drafter == 0

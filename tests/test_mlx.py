@@ -21,7 +21,7 @@ from flashdraft.cli import main
 from flashdraft.decoding import generate_ids
 from flashdraft.decoding.settings import DecodeSettings
 from flashdraft.errors import FlashdraftError
-from flashdraft.sampling import SamplingParams
+from flashdraft.decoding.settings import SamplingParams
 from helpers import hf_greedy, random_drafter, save_tiny_model_dir, tiny_target
 from lossless import assert_greedy_lossless
 
@@ -100,7 +100,7 @@ def test_partial_acceptance_trims_the_caches_exactly(tiny, monkeypatch):
     def oracle(self, start, b):
         if torch.rand(1, generator=gen) < 0.3:
             return real(self, start, b)  # the drafter itself, on the caches the oracle cycles left behind
-        emitted = len(self.tokens) - self.num_prompt
+        emitted = len(self.tokens) - self.request.num_prompt_tokens
         want = (ref[emitted: emitted + b - 1] + [0] * b)[: b - 1]
         want = [t if torch.rand(1, generator=gen) > 0.15 else (t + 1) % 96 for t in want]
         self.pending, feats = None, self.pending  # the drafter's context still takes the committed features

@@ -9,12 +9,12 @@ import torch.nn.functional as F
 from flashdraft import packed
 from flashdraft.decoding import generate_ids
 from flashdraft.dflash2 import upgrade_to_dflash2
-from flashdraft.sampling import SamplingParams
+from flashdraft.decoding.settings import SamplingParams
 from helpers import hf_greedy, random_drafter, tiny_target
 from lossless import assert_greedy_lossless
 from test_sampling_lossless import ALPHA, chi2_pvalue, empirical, exact_distribution
 
-pytestmark = pytest.mark.skipif(not packed.supported("cpu", torch.float32), reason="needs torch built with oneDNN")
+pytestmark = pytest.mark.skipif(not packed.packable("cpu", torch.float32), reason="needs torch built with oneDNN")
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 48), (1, 8, 48), (3, 9, 48), (16, 48)])
@@ -60,7 +60,7 @@ def test_packed_linear_takes_the_plain_weight_when_autograd_is_live():
 def test_env_switch_turns_packing_off(monkeypatch):
     monkeypatch.setenv("FLASHDRAFT_PACKED", "0")
     assert packed.pack_linears(tiny_target()) == 0
-    assert not packed.supported("cpu", torch.float32) and not packed.supported("meta", torch.float32)
+    assert not packed.packable("cpu", torch.float32) and not packed.packable("meta", torch.float32)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])

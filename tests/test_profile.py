@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from flashdraft.bench.profile import best_block, break_even, measure_torch, predict, profile_table, truncated_tau
+from flashdraft.bench.profile import profile_table
+from flashdraft.decoding.costs import best_block, break_even, measure_torch, predict, truncated_tau
 from flashdraft.decoding import generate_ids
 from flashdraft.dflash2 import upgrade_to_dflash2
-from flashdraft.engines.torch import decode_ids
 from flashdraft.errors import FlashdraftError
 from helpers import hf_greedy, random_drafter
 
@@ -46,16 +46,16 @@ def test_measure_torch_times_every_block_and_leaves_the_models_alone(tiny_llama,
 
 def test_measure_torch_splits_each_cycle_into_draft_and_the_rest(tiny_llama, drafter, monkeypatch):
     """draft_ms + verify_ms is the whole cycle: per B, (total - prefill) of a stop-free run over its cycles."""
-    import flashdraft.bench.profile as P
+    import flashdraft.decoding.costs as P
 
     runs = []
 
-    def recorded(model, drafter, ids, settings, on_tokens=None):
-        r = decode_ids(model, drafter, ids, settings, on_tokens)
+    def recorded(model, drafter, ids, settings):
+        r = generate_ids(model, drafter, ids, settings)
         runs.append((settings.block_size, settings.max_new_tokens, settings.stop_token_ids, r))
         return r
 
-    monkeypatch.setattr(P, "decode_ids", recorded)
+    monkeypatch.setattr(P, "generate_ids", recorded)
     p = P.measure_torch(tiny_llama, drafter, [2, 8], PROMPT, tokens=20, repeats=1)
     assert [(b, n, s) for b, n, s, _ in runs] == [(8, 8, ()), (1, 20, ()), (2, 20, ()), (8, 20, ())]
     plain, *spec = [r for *_, r in runs[1:]]
@@ -72,15 +72,15 @@ def test_measure_torch_splits_each_cycle_into_draft_and_the_rest(tiny_llama, dra
 
 
 def test_measure_torch_takes_the_median_of_interleaved_rounds(tiny_llama, drafter, monkeypatch):
-    import flashdraft.bench.profile as P
+    import flashdraft.decoding.costs as P
 
     runs = []
 
-    def recorded(model, drafter, ids, settings, on_tokens=None):
-        runs.append((settings.block_size, decode_ids(model, drafter, ids, settings, on_tokens)))
+    def recorded(model, drafter, ids, settings):
+        runs.append((settings.block_size, generate_ids(model, drafter, ids, settings)))
         return runs[-1][1]
 
-    monkeypatch.setattr(P, "decode_ids", recorded)
+    monkeypatch.setattr(P, "generate_ids", recorded)
     p = P.measure_torch(tiny_llama, drafter, [2, 8], PROMPT, tokens=16, repeats=3)
     assert [b for b, _ in runs] == [8] + [1, 2, 8] * 3  # a warm-up, then rounds of plain and every block size
 

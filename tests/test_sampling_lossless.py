@@ -7,7 +7,8 @@ from scipy.stats import chisquare
 
 import flashdraft.decoding.loop as decode_mod
 from flashdraft.decoding import generate_ids
-from flashdraft.sampling import SamplingParams, process, sample
+from flashdraft.decoding.settings import SamplingParams
+from flashdraft.sampling import process, sample
 from helpers import random_drafter, tiny_target
 
 ALPHA = 1e-3  # false-alarm rate: a correct sampler fails this test once in a thousand seeds

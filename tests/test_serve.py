@@ -12,14 +12,11 @@ import time
 
 import openai
 import pytest
-import torch
-from helpers import random_drafter, tiny_target
 from serve_helpers import Server, char_tokenizer, cli_generate, make_model_dirs
 from serve_load import Case, references, run_load
 
 import flashdraft
 from flashdraft.cli import main
-from flashdraft.decoding import DecodeSettings, generate_ids
 from flashdraft.serve.worker import HOLD_IDS, PerThread, TextTracker
 
 MODEL = "tiny-target"

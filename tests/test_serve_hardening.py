@@ -289,6 +289,43 @@ def test_the_admission_bound_counts_only_live_jobs():
     asyncio.run(run())
 
 
+def test_served_requests_leave_nothing_behind(served):
+    """Hundreds of requests (streamed and not, greedy and sampled): no job, decoding request, result or tracker
+    outlives its request, and the Python heap stops growing (the soak's RSS is the native side: docs/bench/soak)."""
+    import collections
+    import gc
+    import tracemalloc
+
+    client, _ = served
+
+    def run(n: int) -> None:
+        for i in range(n):
+            body = {"model": MODEL, "prompt": f"abc def {i}", "max_tokens": 24, "temperature": 0.7 * (i % 2),
+                    "seed": i}
+            if i % 3 == 0:
+                with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                    assert r.status_code == 200 and sum(1 for _ in r.iter_lines()) > 1
+            else:
+                assert client.post("/v1/completions", json=body).status_code == 200
+
+    def alive() -> dict[str, int]:
+        gc.collect()
+        kinds = collections.Counter(type(o).__name__ for o in gc.get_objects())
+        return {k: kinds[k] for k in ("Job", "Request", "GenerationResult", "TextTracker")}
+
+    run(20)
+    tracemalloc.start()
+    try:
+        run(60)
+        before = tracemalloc.get_traced_memory()[0]
+        run(60)
+        grew = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert all(n <= 1 for n in alive().values()), alive()  # at most the worker's last request, until the next
+    assert grew < 64 * 1024, f"the Python heap grew by {grew} bytes over 60 requests"
+
+
 # ---------------------------------------------------------------- 5. who may talk to the server
 
 def test_api_key_is_required_except_on_health(tiny):

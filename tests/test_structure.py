@@ -114,3 +114,50 @@ def test_no_import_cycles():
 def test_no_function_longer_than_80_lines():
     found = long_functions()
     assert not found, f"functions over {MAX_FUNCTION_LINES} lines: {found}"
+
+
+EXEMPT_NAMES = {"log", "__all__"}  # a module's own logger, and its export list
+
+
+def top_level_names(tree: ast.Module) -> set[str]:
+    """Public names a module defines at top level: functions, classes and assigned names (imports are not
+    definitions; names under `if TYPE_CHECKING:` or `try:` at top level count)."""
+    names: set[str] = set()
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for t in targets:
+                    names.update(n.id for n in ast.walk(t) if isinstance(n, ast.Name))
+            elif isinstance(node, (ast.If, ast.Try)):
+                visit(node.body)
+                visit(getattr(node, "orelse", []))
+                for h in getattr(node, "handlers", []):
+                    visit(h.body)
+
+    visit(tree.body)
+    return {n for n in names if not n.startswith("_") and n not in EXEMPT_NAMES}
+
+
+def defined_twice() -> dict[str, list[str]]:
+    """Public top-level name → the modules defining it, for names defined in more than one flashdraft module."""
+    where: dict[str, list[str]] = {}
+    for name, tree in modules().items():
+        for n in top_level_names(tree):
+            where.setdefault(n, []).append(name)
+    return {n: sorted(ms) for n, ms in sorted(where.items()) if len(ms) > 1}
+
+
+def test_finder_sees_functions_classes_and_constants():
+    tree = ast.parse("import os\nfrom x import y\nA = 1\nB: int = 2\n_c = 3\nlog = 4\n"
+                     "def f(): pass\nclass K: pass\nif True:\n    G = 5\n")
+    assert top_level_names(tree) == {"A", "B", "f", "K", "G"}
+
+
+def test_every_public_name_is_defined_once():
+    """A name means one thing across the package: a second definition is shared or renamed to say what it is."""
+    found = defined_twice()
+    assert not found, f"public names defined in more than one module: {found}"

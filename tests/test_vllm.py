@@ -117,7 +117,8 @@ class FakeLLM:
     def generate(self, prompts, params, use_tqdm=False):
         import torch
 
-        from flashdraft.sampling import SamplingParams, process
+        from flashdraft.decoding.settings import SamplingParams
+        from flashdraft.sampling import process
 
         outs = []
         with torch.inference_mode():
@@ -235,7 +236,7 @@ def test_the_guard_refuses_requests_that_do_not_ask_for_greedy():
 def test_serve_engine_vllm_answers_the_openai_client_as_vllm_decodes(tmp_path):
     import openai
 
-    from flashdraft.serve.vllm import free_port
+    from flashdraft.serve import free_port
 
     plain = flashdraft("generate", "What is 12 + 30?", "--engine", "vllm", "--block-size", "1", "--max-new-tokens",
                        "24", "--json")

@@ -24,7 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
+from ..atomic import write_text
 from ..errors import FlashdraftError
+from ..serve import free_port
 
 MODES = {"plain": ["--block-size", "1"], "fixed": ["--fixed-block"], "adaptive": [],
          "vllm": ["--engine", "vllm", "--block-size", "1"], "vllm-dflash": ["--engine", "vllm"]}
@@ -32,7 +34,7 @@ STALL_S = 120.0  # a server that sends nothing for this long has failed the requ
 
 
 @dataclass
-class Outcome:
+class ClientOutcome:
     """One streamed request as a client saw it."""
 
     ok: bool
@@ -50,7 +52,7 @@ def pct(values: list[float], p: float) -> float | None:
     return s[max(0, math.ceil(p / 100 * len(s)) - 1)]
 
 
-def stream_chat(url: str, model: str, prompt: str, max_tokens: int, timeout: float) -> Outcome:
+def stream_chat(url: str, model: str, prompt: str, max_tokens: int, timeout: float) -> ClientOutcome:
     """POST a streaming chat completion; time the first content chunk and the end; count completion tokens. A read
     that waits STALL_S, or a request past `timeout`, ends it as failed."""
     u = urlparse(url)
@@ -65,7 +67,7 @@ def stream_chat(url: str, model: str, prompt: str, max_tokens: int, timeout: flo
         conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
         resp = conn.getresponse()
         if resp.status != 200:
-            return Outcome(False, error=f"HTTP {resp.status}")
+            return ClientOutcome(False, error=f"HTTP {resp.status}")
         ttft, tokens = None, 0
         for raw in resp:
             line = raw.decode().strip()
@@ -73,25 +75,25 @@ def stream_chat(url: str, model: str, prompt: str, max_tokens: int, timeout: flo
                 continue
             chunk = json.loads(line[6:])
             if "error" in chunk:
-                return Outcome(False, error=chunk["error"].get("message", "error"))
+                return ClientOutcome(False, error=chunk["error"].get("message", "error"))
             if ttft is None and any((c.get("delta") or {}).get("content") for c in chunk.get("choices", [])):
                 ttft = time.perf_counter() - t0
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
         if time.perf_counter() - t0 > timeout:
-            return Outcome(False, error="timeout")
-        return Outcome(True, tokens, time.perf_counter() - t0, ttft)
+            return ClientOutcome(False, error="timeout")
+        return ClientOutcome(True, tokens, time.perf_counter() - t0, ttft)
     except (OSError, ValueError, http.client.HTTPException) as e:
-        return Outcome(False, error="timeout" if time.perf_counter() - t0 > timeout else type(e).__name__)
+        return ClientOutcome(False, error="timeout" if time.perf_counter() - t0 > timeout else type(e).__name__)
     finally:
         watchdog.cancel()
         conn.close()
 
 
 def run_clients(url: str, model: str, prompts: list[str], clients: int, max_tokens: int,
-                timeout: float) -> tuple[list[Outcome], float]:
+                timeout: float) -> tuple[list[ClientOutcome], float]:
     """`clients` threads, client c sending prompts c, c + clients, … one after another → (outcomes, wall seconds)."""
-    outcomes: list[Outcome] = []
+    outcomes: list[ClientOutcome] = []
     lock = threading.Lock()
 
     def client(c: int) -> None:
@@ -109,7 +111,7 @@ def run_clients(url: str, model: str, prompts: list[str], clients: int, max_toke
     return outcomes, time.perf_counter() - t0
 
 
-def summarize(outcomes: list[Outcome], wall_s: float) -> dict:
+def summarize_clients(outcomes: list[ClientOutcome], wall_s: float) -> dict:
     ok = [o for o in outcomes if o.ok]
     lat, ttft = [o.latency_s for o in ok], [o.ttft_s for o in ok if o.ttft_s is not None]
     return {"requests": len(outcomes), "ok": len(ok), "errors": sorted({o.error for o in outcomes if not o.ok}),
@@ -157,14 +159,6 @@ def start_server(serve_args: list[str], mode: str, startup_s: float = 600) -> tu
             break
     proc.kill()
     raise FlashdraftError(f"the {mode} server did not start ({last or 'no output'}): {' '.join(cmd)}")
-
-
-def free_port() -> int:
-    """A free loopback port (vLLM's server takes no --port 0)."""
-    import socket
-
-    with socket.create_server(("127.0.0.1", 0)) as s:
-        return s.getsockname()[1]
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, end: float) -> bool:
@@ -232,7 +226,7 @@ def measure(url: str, model: str, prompts: list[str], clients: int, busy_count: 
     finally:
         for p in procs:
             p.terminate()
-    return {"busy": busy_count, "concurrency": clients, **summarize(outcomes, wall)}
+    return {"busy": busy_count, "concurrency": clients, **summarize_clients(outcomes, wall)}
 
 
 def table(rows: list[dict]) -> str:
@@ -255,8 +249,6 @@ def table(rows: list[dict]) -> str:
 
 
 def write_results(out: Path, rows: list[dict], config: dict) -> None:
-    from ..atomic import write_text
-
     out.mkdir(parents=True, exist_ok=True)
     write_text(out / "load.json", json.dumps({"config": config, "runs": rows}, indent=1) + "\n")
     write_text(out / "load.md", table(rows))

@@ -1,9 +1,10 @@
 """Bench methods: each is one small function (target, prompt ids, MethodSettings) → Sample, registered in METHODS.
 
-ar and dflash run on the torch engine, llamacpp and llamacpp-dflash on the llama.cpp engine, vllm and vllm-dflash on
-vLLM (batched: BATCH_METHODS take several prompts at once), mlx and mlx-dflash on MLX; hf and hf-lookup are
-transformers' own `generate`. Each method has a plain baseline on the same engine (ar, llamacpp on the same target
-file, vllm at the same batch size, mlx) that its speedup and its token-identity check refer to.
+Which methods run on which engine is the engine registry's (flashdraft.engines.ENGINES): ar and dflash on the torch
+engine, llamacpp and llamacpp-dflash on the llama.cpp engine, vllm and vllm-dflash on vLLM (batched: BATCH_METHODS
+take several prompts at once), mlx and mlx-dflash on MLX; hf and hf-lookup are transformers' own `generate`. Each
+method has a plain baseline on the same engine (ar, llamacpp on the same target file, vllm at the same batch size,
+mlx) that its speedup and its token-identity check refer to.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from ..decoding.settings import DecodeSettings
-from ..engines import get_engine
+from ..decoding import DecodeSettings
+from ..engines import ENGINES, REFERENCE, get_engine
 from ..errors import FlashdraftError
 
 ALL_METHODS = "ar,hf,hf-lookup,dflash"  # the default; llamacpp methods need `make llamacpp`
@@ -98,7 +99,7 @@ class _Clock:
 
 def _hf(target, ids: list[int], s: DecodeSettings, **extra) -> Sample:
     """transformers `generate` (greedy, or sampling with the same settings), timed per chunk by a streamer."""
-    import torch
+    import torch  # local: `flashdraft bench --help` reads METHODS from this module without loading torch
 
     model = target.model
     clock = _Clock()
@@ -139,11 +140,12 @@ def run_hf_lookup(target, ids: list[int], s: MethodSettings) -> Sample:
 def run_llamacpp(target, ids: list[int], s: MethodSettings) -> Sample:
     """llama.cpp's llama-server, plain or with its built-in DFlash; times are the server's own (no HTTP)."""
     r = s.engine.generate(ids, s.decode)
-    ttft, gen = r.prompt_ms / 1000, r.predicted_ms / 1000
-    if r.draft_ms is None:  # plain, or no draft timer in the server's log: the cycles stay, the split is missing
-        return Sample(r.output_ids, ttft, ttft + gen, 1, r.acceptance_lengths)
-    draft = r.draft_ms / 1000  # llama.cpp times drafting alone; the rest of a cycle counts as verify
-    return Sample(r.output_ids, ttft, ttft + gen, 1, r.acceptance_lengths, draft, max(0.0, gen - draft), 0.0)
+    t = r.timing
+    ttft, gen = t.prefill_s, t.total_s - t.prefill_s
+    if t.draft_s is None:  # plain, or no draft timer in the server's log: the cycles stay, the split is missing
+        return Sample(r.output_ids, ttft, t.total_s, 1, r.acceptance_lengths)
+    # llama.cpp times drafting alone; the rest of a cycle counts as verify
+    return Sample(r.output_ids, ttft, t.total_s, 1, r.acceptance_lengths, t.draft_s, max(0.0, gen - t.draft_s), 0.0)
 
 
 # ---------------------------------------------------------------- vLLM engine
@@ -153,10 +155,10 @@ def run_vllm_batch(target, prompts: list[list[int]], s: MethodSettings) -> list[
     stats; the batch's decode window (first token of any to last token of any) is shared out by decode tokens, so
     pooled decode tok/s is the batch's output throughput (at batch 1: the request's own rate)."""
     rs = s.engine.generate_many(prompts, s.decode)
-    window = max(r.last_ts for r in rs) - min(r.first_ts for r in rs)
+    window = max(r.extras["last_ts"] for r in rs) - min(r.extras["first_ts"] for r in rs)
     dec = [max(r.num_new_tokens - 1, 0) for r in rs]
-    return [Sample(r.output_ids, r.ttft_s, r.ttft_s + window * d / max(sum(dec), 1), min(r.num_new_tokens, 1),
-                   r.acceptance_lengths) for r, d in zip(rs, dec)]
+    return [Sample(r.output_ids, r.timing.prefill_s, r.timing.prefill_s + window * d / max(sum(dec), 1),
+                   min(r.num_new_tokens, 1), r.acceptance_lengths) for r, d in zip(rs, dec)]
 
 
 def run_vllm(target, ids: list[int], s: MethodSettings) -> Sample:
@@ -174,17 +176,21 @@ def run_mlx(target, ids: list[int], s: MethodSettings) -> Sample:
                   stages=[c.stages for c in r.cycles] if drafted else [], lookup_cycles=r.lookup_cycles)
 
 
-METHODS: dict[str, Method] = {"ar": run_ar, "hf": run_hf, "hf-lookup": run_hf_lookup, "dflash": run_dflash,
-                              "llamacpp": run_llamacpp, "llamacpp-dflash": run_llamacpp,
-                              "vllm": run_vllm, "vllm-dflash": run_vllm, "mlx": run_mlx, "mlx-dflash": run_mlx}
-BATCH_METHODS = {"vllm": run_vllm_batch, "vllm-dflash": run_vllm_batch}  # run a variant at a time, batch by batch
+# How one sample runs on each engine: (plain, with a drafter); the methods' names are the engine registry's
+RUNS: dict[str, tuple[Method, Method]] = {"torch": (run_ar, run_dflash), "llamacpp": (run_llamacpp, run_llamacpp),
+                                          "vllm": (run_vllm, run_vllm), "mlx": (run_mlx, run_mlx)}
+HF_METHODS: dict[str, Method] = {"hf": run_hf, "hf-lookup": run_hf_lookup}  # transformers' own, on no engine
+ENGINE_METHODS: dict[str, Method] = {m: run for name, e in ENGINES.items() for m, run in zip(e.methods, RUNS[name])}
+REFERENCE_METHOD = ENGINES[REFERENCE].plain_method  # ar: every other method is compared with it
+METHODS: dict[str, Method] = {REFERENCE_METHOD: ENGINE_METHODS[REFERENCE_METHOD], **HF_METHODS, **ENGINE_METHODS}
 # swept over --drafter × --block-size (× DLoop: dflash)
-DRAFTER_METHODS = {"dflash", "llamacpp-dflash", "vllm-dflash", "mlx-dflash"}
-LLAMACPP_METHODS = {"llamacpp", "llamacpp-dflash"}  # swept over --gguf
-VLLM_METHODS = {"vllm", "vllm-dflash"}  # swept over --batch
-MLX_METHODS = {"mlx", "mlx-dflash"}
-# a drafter method's plain baseline, always run
-PLAIN_OF = {"llamacpp-dflash": "llamacpp", "vllm-dflash": "vllm", "mlx-dflash": "mlx"}
+DRAFTER_METHODS = {e.drafter_method for e in ENGINES.values()}
+LLAMACPP_METHODS = set(ENGINES["llamacpp"].methods)  # swept over --gguf
+VLLM_METHODS = set(ENGINES["vllm"].methods)  # swept over --batch
+MLX_METHODS = set(ENGINES["mlx"].methods)
+BATCH_METHODS = dict.fromkeys(VLLM_METHODS, run_vllm_batch)  # run a variant at a time, batch by batch
+# a drafter method's plain baseline on its own engine, always run (the reference engine's is the reference itself)
+PLAIN_OF = {e.drafter_method: e.plain_method for name, e in ENGINES.items() if name != REFERENCE}
 
 
 def parse_methods(text: str, reference: bool = True) -> list[str]:
@@ -193,10 +199,10 @@ def parse_methods(text: str, reference: bool = True) -> list[str]:
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:
         raise FlashdraftError(f"--methods: unknown {bad or text!r}; choose from {', '.join(METHODS)}")
-    methods = [m for m in dict.fromkeys(methods) if m != "ar"]
+    methods = [m for m in dict.fromkeys(methods) if m != REFERENCE_METHOD]
     if not reference and not methods:
         raise FlashdraftError("--no-ar leaves no method to run; add one to --methods")
     for m, plain in PLAIN_OF.items():
         if reference and m in methods and plain not in methods:  # its baseline
             methods.insert(methods.index(m), plain)
-    return (["ar"] if reference else []) + methods
+    return ([REFERENCE_METHOD] if reference else []) + methods

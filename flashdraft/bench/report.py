@@ -11,7 +11,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import torch
+import transformers
+
 from ..atomic import write_text
+from .profile import profile_table
 
 ALL = "all"
 
@@ -71,9 +75,6 @@ def compare(by: dict[str, dict[tuple, dict]], m: str, base: str, keys: set) -> d
 
 
 def environment() -> dict:
-    import torch
-    import transformers
-
     env = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
            "platform": platform.platform(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
     if torch.cuda.is_available():
@@ -232,8 +233,6 @@ def markdown(s: dict, plots: list[str]) -> str:
 
 def profile_markdown(p: dict) -> str:
     """The cost-profile table and what it means."""
-    from .profile import profile_table
-
     rows = p["profiles"]
     table = profile_table(rows, [r["label"] for r in rows], [r.get("tau_by_block") or None for r in rows])
     notes = ["", "Per block size B: verify(B) in plain decode steps, draft(B) in ms, and the break-even τ = "

@@ -54,7 +54,7 @@ def append_record(path: Path, record: dict) -> None:
         os.close(fd)
 
 
-def check_run(out: Path, config: dict, variants: dict[str, dict]) -> None:
+def check_results_dir(out: Path, config: dict, variants: dict[str, dict]) -> None:
     """Refuse to resume into a directory produced with different settings; record this run's settings."""
     path = out / "run.json"
     old = json.loads(path.read_text()) if path.is_file() else {"config": config, "variants": {}}

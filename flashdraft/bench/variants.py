@@ -9,9 +9,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..engines import get_engine
-from ..errors import FlashdraftError
 from ..engines.llamacpp import server_context
+from ..errors import FlashdraftError
 from ..llamacpp.gguf import Gguf
+from ..models import load_drafter_for
 from .methods import DRAFTER_METHODS, LLAMACPP_METHODS, MLX_METHODS, VLLM_METHODS, MethodSettings
 
 LOOKUP_LABELS = {True: "lookup", False: "no-lookup", "tree": "lookup-tree"}
@@ -47,8 +48,7 @@ def loop_settings(stages: list[int], gates: list[float]) -> list[tuple[int, floa
 
 def variant_label(m: str, kind: str, parts: list[str]) -> str:
     """`dflash2[name,b8,s2,g-0.75]`, `llamacpp-dflash2[f32,name,b8]`: drafter methods are labelled by drafter kind."""
-    head = {"dflash": kind, "llamacpp-dflash": f"llamacpp-{kind}", "vllm-dflash": f"vllm-{kind}",
-            "mlx-dflash": f"mlx-{kind}"}.get(m, m)
+    head = m.removesuffix("dflash") + kind if m in DRAFTER_METHODS else m  # llamacpp-dflash → llamacpp-dflash2
     return f"{head}[{','.join(parts)}]" if parts else head
 
 
@@ -112,8 +112,6 @@ def drafter_variants(target, m: str, base: MethodSettings, sweep: Sweep, gguf: G
                      engines: list) -> list[Variant]:
     """One Variant per (drafter, block size, loop setting, lookup, tree) of a drafter method; on llama.cpp per target
     file instead of per lookup and tree setting (llama.cpp drafts a chain every cycle)."""
-    from ..models import load_drafter_for
-
     out = []
     for d in sweep.drafters:
         drafter = load_drafter_for(target, d)

@@ -1,4 +1,5 @@
-"""`flashdraft bench`: its flags, the sweep they describe, and the run from loading to the report."""
+"""`flashdraft bench`: its flags, the sweep they describe, and the run from loading to the report. The flags are
+checked before anything heavy loads; the run's modules (torch, the engines, the sweep) load in bench_run."""
 
 from __future__ import annotations
 
@@ -6,13 +7,17 @@ import json
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..bench.datasets import HUB_DATASETS, Prompt, load_dataset, parse_dataset
 from ..bench.methods import (ALL_METHODS, LLAMACPP_METHODS, METHODS, MLX_METHODS, VLLM_METHODS, MethodSettings,
                              parse_methods)
-from ..bench.variants import Sweep, Variant, loop_settings
 from ..decoding.settings import DecodeSettings, add_decode_arguments, parse_ids, parse_list, parse_lookup
 from ..errors import FlashdraftError
+from .trace import trace_bench
+
+if TYPE_CHECKING:
+    from ..bench.variants import Sweep, Variant
 
 
 def add_bench(sub) -> None:
@@ -62,7 +67,8 @@ def add_bench(sub) -> None:
 
 # ---------------------------------------------------------------- flags → checked values
 
-def check_bench_args(args) -> None:
+def check_bench_args(args) -> list[str]:
+    """Every flag checked (one-line errors, nothing loaded yet); returns the methods to run."""
     DecodeSettings(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p).validate()
     if args.trace < 0:
@@ -83,6 +89,15 @@ def check_bench_args(args) -> None:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise FlashdraftError(f"--out {out} exists and is not a directory")
+    methods = parse_methods(args.methods, reference=not args.no_ar)
+    stages, _ = parse_loops(args)
+    parse_lookup(args.lookup)
+    parse_trees(args.tree, stages)
+    if set(parse_list(args.batch, "--batch", int)) != {1} and not VLLM_METHODS & set(methods):
+        raise FlashdraftError("--batch is for the vllm methods; add vllm or vllm-dflash to --methods")
+    if args.gguf and not LLAMACPP_METHODS & set(methods):
+        raise FlashdraftError("--gguf is for the llamacpp methods; add llamacpp or llamacpp-dflash to --methods")
+    return methods
 
 
 def parse_loops(args) -> tuple[list[int], list[float]]:
@@ -110,6 +125,8 @@ def parse_trees(text: str | None, loop_stages: list[int]) -> list[int | None]:
 
 def sweep_from_args(args) -> Sweep:
     """What the drafter methods run over (target files are added once the target is known)."""
+    from ..bench.variants import Sweep, loop_settings
+
     stages, gates = parse_loops(args)
     lookups = parse_lookup(args.lookup)
     return Sweep(drafters=args.drafter or [None], block_sizes=args.block_size or [],
@@ -131,6 +148,7 @@ def stop_ids(args, target) -> list[int]:
 
 def run_config(args, target, device: str, uses_llamacpp: bool, uses_vllm: bool = False) -> dict:
     """The settings a results directory is tied to (resuming with others is refused)."""
+    from ..engines.vllm import require_vllm
     from ..llamacpp.build import LLAMACPP_VERSION
     from ..packed import is_packed
 
@@ -143,8 +161,6 @@ def run_config(args, target, device: str, uses_llamacpp: bool, uses_vllm: bool =
     if uses_llamacpp:
         config["llamacpp"] = LLAMACPP_VERSION
     if uses_vllm:
-        from ..engines.vllm import require_vllm
-
         config["vllm"] = require_vllm().__version__
     return config
 
@@ -195,35 +211,33 @@ def report(args, out: Path, datasets: dict, variants: list[Variant], config: dic
     R.write_all(out, summary)
     R.print_summary(summary, out)
     if args.trace:
-        from .trace import trace_bench
-
         paths = trace_bench(records, target, out / "traces", args.trace)
         print(f"flashdraft: {len(paths)} trace page(s) in {out / 'traces'}", file=sys.stderr)
     return summary
 
 
 def cmd_bench(args) -> int:
-    import torch
+    return bench_run(args, check_bench_args(args))
 
-    from ..bench.runs import check_run
+
+def bench_run(args, methods: list[str]) -> int:
+    """Load the target, open the engines and build the sweep's variants, run them (resuming), report."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from ..bench.runs import check_results_dir
     from ..bench.variants import build_variants
+    from ..engines.vllm import require_vllm
     from ..llamacpp.build import tool
     from ..llamacpp.gguf import resolve_ggufs
+    from ..mlx import require_mlx
     from ..models import load_target
 
-    check_bench_args(args)
-    methods = parse_methods(args.methods, reference=not args.no_ar)
     sweep = sweep_from_args(args)
-    uses_vllm = bool(VLLM_METHODS & set(methods))
-    if sweep.batches != [1] and not uses_vllm:
-        raise FlashdraftError("--batch is for the vllm methods; add vllm or vllm-dflash to --methods")
+    uses_vllm, uses_llamacpp = bool(VLLM_METHODS & set(methods)), bool(LLAMACPP_METHODS & set(methods))
     if uses_vllm:
-        from ..engines.vllm import require_vllm
-
         require_vllm()  # fail before any work when vLLM is missing
     if MLX_METHODS & set(methods):
-        from ..mlx import require_mlx
-
         require_mlx()
     datasets = load_datasets(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -232,9 +246,6 @@ def cmd_bench(args) -> int:
     target = load_target(args.target, dtype=args.dtype, device=device)
     decode = DecodeSettings(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop_token_ids=stop_ids(args, target))
-    uses_llamacpp = bool(LLAMACPP_METHODS & set(methods))
-    if args.gguf and not uses_llamacpp:
-        raise FlashdraftError("--gguf is for the llamacpp methods; add llamacpp or llamacpp-dflash to --methods")
     if uses_llamacpp:
         tool("llama-server")  # fail before any work when llama.cpp is not built
         sweep.ggufs = resolve_ggufs(args.gguf, target.name)
@@ -243,8 +254,7 @@ def cmd_bench(args) -> int:
     config = run_config(args, target, device, uses_llamacpp, uses_vllm)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    check_run(out, config, {v.label: v.desc for v in variants})
-    from transformers.utils import logging as hf_logging
+    check_results_dir(out, config, {v.label: v.desc for v in variants})
     hf_logging.set_verbosity_error()
     stopped, interrupted, profile = run_and_profile(args, target, datasets, variants, out, engines)
     summary = report(args, out, datasets, variants, config, stopped, profile, target)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from ..llamacpp.gguf import OUTTYPES
+from ..llamacpp.build import OUTTYPES
 
 
 def add_export(sub) -> None:

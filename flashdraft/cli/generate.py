@@ -11,6 +11,7 @@ import sys
 from ..decoding.settings import DecodeSettings, add_decode_arguments, lookup_flag, parse_ids, settings_from_args
 from ..engines import ENGINES, get_engine
 from ..errors import FlashdraftError
+from .trace import trace_for_generate
 
 COMPARE_RUNS = 3  # --compare-ar pairs: one timing of a ~2 s generation on a shared machine varies by 10-20%
 WARM_UP_TOKENS = 4
@@ -140,7 +141,7 @@ def compare_line(plain: str, plain_tok_s: float, speedups: list[float], same: bo
             f"outputs identical: {'yes' if same else 'NO'}{note}")
 
 
-def compare(specs: list, plains: list, engine_cls, greedy: bool) -> tuple[dict, str]:
+def compare_with_plain(specs: list, plains: list, engine_cls, greedy: bool) -> tuple[dict, str]:
     """The record's compare_ar and the summary's comparison line."""
     plain_tok_s = [p.timing.tokens_per_s for p in plains]
     speedups = [s.timing.tokens_per_s / p if p > 0 else float("nan") for s, p in zip(specs, plain_tok_s)]
@@ -152,17 +153,22 @@ def compare(specs: list, plains: list, engine_cls, greedy: bool) -> tuple[dict, 
 
 
 def cmd_generate(args) -> int:
+    settings = settings_from_args(args)
+    prompt_ids = prompt_ids_from(args)
+    if args.compare_runs < 1:
+        raise FlashdraftError(f"--compare-runs must be >= 1, got {args.compare_runs}")
+    options = engine_options(args)
+    return generate_run(args, settings, prompt_ids, options)  # the flags passed: now the engine and torch load
+
+
+def generate_run(args, settings: DecodeSettings, prompt_ids: list[int] | None, options: dict) -> int:
+    """Open the engine (and its plain baseline), decode, print the text or record and the summary line."""
     import torch
 
     from ..models import load_target
     from ..target import check_prompt
 
-    settings = settings_from_args(args)
-    prompt_ids = prompt_ids_from(args)
-    if args.compare_runs < 1:
-        raise FlashdraftError(f"--compare-runs must be >= 1, got {args.compare_runs}")
     engine_cls = get_engine(args.engine)
-    options = engine_options(args)
     engine_cls.check(settings, lookup_flag(args))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     target = load_target(args.target, dtype=args.dtype, device=device)
@@ -177,13 +183,11 @@ def cmd_generate(args) -> int:
     record = specs[0].to_record()
     summary = f"flashdraft: {specs[0].num_new_tokens} new tokens, {spec.describe(specs[0])}"
     if plains:
-        record["compare_ar"], line = compare(specs, plains, engine_cls, settings.greedy)
+        record["compare_ar"], line = compare_with_plain(specs, plains, engine_cls, settings.greedy)
         summary += line
     if args.json:
         print(json.dumps(record))
     if args.trace:
-        from .trace import trace_for_generate
-
         summary += f"\nflashdraft: trace page {trace_for_generate(record, target, args.trace)}"
     print(summary, file=sys.stderr)
     return 0

@@ -1,8 +1,17 @@
-"""`flashdraft serve`'s flags; the command itself is flashdraft.serve.cmd_serve (the web stack loads when it runs)."""
+"""`flashdraft serve`: its flags, their checks, and the server the engine runs (flashdraft's own, flashdraft/serve/,
+or vLLM's); the server, torch and the web stack load only once the flags have passed."""
 
 from __future__ import annotations
 
+import os
+
 from ..decoding.settings import PREFILL_CHUNK, add_decode_arguments
+from ..engines import check_serves, get_server
+from ..errors import FlashdraftError
+
+SERVE_EXTRA = ("fastapi", "uvicorn", "pydantic", "prometheus_client", "starlette")  # pip install 'flashdraft[serve]'
+# flags only flashdraft's own server has (attribute → flag)
+TORCH_ONLY = {"fixed_block": "--fixed-block", "tree": "--tree", "lookup": "--lookup", "no_lookup": "--no-lookup"}
 
 
 def add_serve(sub) -> None:
@@ -11,7 +20,7 @@ def add_serve(sub) -> None:
                                    "/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.")
     p.add_argument("--target", help="registered name, local HF model dir or hub id (default: smollm2-135m-instruct)")
     p.add_argument("--drafter", help="drafter directory (z-lab format); default: the one registered for the target")
-    # free text, not argparse choices: cmd_serve names the engines it serves in its one-line error
+    # free text, not argparse choices: check_options names the engines that serve in its one-line error
     p.add_argument("--engine", default="torch",
                    help="torch (default): flashdraft's own server; vllm: vLLM's OpenAI server (`make vllm`) with the "
                         "drafter as its DFlash speculator, num_speculative_tokens from --block-size or derived")
@@ -58,7 +67,60 @@ def add_serve(sub) -> None:
     p.set_defaults(func=cmd_serve)
 
 
-def cmd_serve(args) -> int:
-    from ..serve import cmd_serve as serve
+def check_options(args) -> None:
+    """One-line errors for options that cannot work, before anything is loaded."""
+    check_serves(args.engine)
+    if args.engine != "vllm" and (args.vllm_args or args.print_command):
+        raise FlashdraftError("--vllm-args and --print-command are for --engine vllm")
+    if not 0 <= args.port <= 65535:
+        raise FlashdraftError(f"--port must be in 0..65535, got {args.port}")
+    for name in ("max_queue",):
+        if getattr(args, name) < 0:
+            raise FlashdraftError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    for name in ("max_batch", "prefill_chunk", "request_timeout", "shutdown_timeout", "max_body_bytes", "default_max_tokens",
+                 "max_connections", "body_timeout"):
+        if not getattr(args, name) > 0:
+            raise FlashdraftError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if args.block_size is not None and args.block_size < 1:
+        raise FlashdraftError(f"block size must be >= 1, got {args.block_size}")
+    if args.engine == "vllm" and args.allowed_hosts:
+        raise FlashdraftError("--allowed-hosts is for --engine torch (vLLM's server does not check the Host header)")
+    if args.api_key is not None and not args.api_key.strip():
+        raise FlashdraftError("--api-key is empty; give the key clients must send, or leave the flag out")
+    for name in hosts_list(args):
+        if "*" in name[1:] or (name.startswith("*") and name != "*" and not name.startswith("*.")):
+            raise FlashdraftError(f"--allowed-hosts: {name!r} is not a host name (a wildcard may only start a name, "
+                                  "as *.example.com)")
+    if args.engine == "vllm":
+        check_vllm_options(args)
 
-    return serve(args)
+
+def check_vllm_options(args) -> None:
+    """One-line errors for flags only flashdraft's own server has."""
+    for name, flag in TORCH_ONLY.items():
+        if getattr(args, name, None) not in (None, False):
+            raise FlashdraftError(f"{flag} is for --engine torch (vLLM's server verifies a chain every cycle); drop it")
+    if getattr(args, "loop_stages", 1) not in (None, 1):
+        raise FlashdraftError("--loop-stages (DLoop) is for --engine torch; drop it")
+
+
+def hosts_list(args) -> list[str]:
+    """--allowed-hosts as a list of lower-case names."""
+    return [h.strip().lower() for h in (args.allowed_hosts or "").split(",") if h.strip()]
+
+
+def api_key(args) -> str | None:
+    """--api-key, else $FLASHDRAFT_API_KEY (as vLLM reads VLLM_API_KEY), else None."""
+    return args.api_key or os.environ.get("FLASHDRAFT_API_KEY") or None
+
+
+def cmd_serve(args) -> int:
+    check_options(args)
+    try:
+        run = get_server(args.engine)  # the engine registry's server for --engine, imported now
+    except ImportError as e:
+        if (e.name or "").split(".")[0] not in SERVE_EXTRA:
+            raise
+        raise FlashdraftError(f"flashdraft serve needs the serve extra ({e.name} is missing): "
+                              "pip install 'flashdraft[serve]'") from None
+    return run(args, api_key(args), hosts_list(args))

@@ -7,10 +7,14 @@ import sys
 from functools import lru_cache
 from pathlib import Path
 
+from ..bench.methods import HF_METHODS
+from ..engines import ENGINES
 from ..errors import FlashdraftError
+from ..jsonl import read_records
 from ..trace import TokenText, bench_turn, record_tau, write_trace
 
-PLAIN_METHODS = {"ar", "hf", "hf-lookup", "llamacpp"}  # baselines: nothing drafted, nothing to trace
+# baselines: nothing drafted, nothing to trace (each engine's plain method, and transformers' own)
+PLAIN_METHODS = {e.plain_method for e in ENGINES.values()} | set(HF_METHODS)
 
 
 def add_trace(sub) -> None:
@@ -57,8 +61,6 @@ def read_input(path: Path) -> list[dict]:
         one = None
     if isinstance(one, dict):
         return [one]
-    from ..jsonl import read_records
-
     records = [r for _, r in read_records(path)]
     if not records:
         raise FlashdraftError(f"{path} holds no record; pass a `generate --json` record or a bench samples.jsonl")

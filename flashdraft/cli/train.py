@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from ..errors import FlashdraftError
+from ..train.config import TrainConfig
 
 
 def add_train_commands(sub) -> None:
@@ -125,8 +127,6 @@ def check_prepare_args(args) -> tuple[list[int] | None, tuple[int, int]]:
 
 
 def cmd_prepare(args) -> int:
-    from pathlib import Path
-
     from ..train.store import is_store
 
     set_threads(args.threads)
@@ -140,8 +140,6 @@ def cmd_prepare(args) -> int:
 
 def named_file(spec: str) -> tuple[str, str]:
     """--prompts [NAME=]FILE → (NAME or the file's stem, FILE)."""
-    from pathlib import Path
-
     name, eq, file = spec.partition("=")
     if not eq or Path(spec).exists() or "/" in name:
         return Path(spec).stem, spec
@@ -218,8 +216,6 @@ def prepare_dir_cmd(args, sources, layer_ids, part) -> int:
 
 def prepare_store_cmd(args, sources, part) -> int:
     """prepare STORE --store: append the answers of prompts not yet in the token store."""
-    from pathlib import Path
-
     from ..train.data import in_dev_split
     from ..train.store import Source, check_sources, describe, prepare_store
 
@@ -238,8 +234,6 @@ def prepare_store_cmd(args, sources, part) -> int:
 # ---------------------------------------------------------------- train
 
 def add_train(sub) -> None:
-    from ..train.config import TrainConfig
-
     d = TrainConfig(data="", out="")
     p = sub.add_parser("train", help="train a DFlash drafter on prepared data",
                        description="Train a block-diffusion drafter against a frozen target (docs/design.md §4). "
@@ -337,7 +331,6 @@ def add_variant_arguments(p, d) -> None:
 
 
 def cmd_train(args) -> int:
-    from ..train.config import TrainConfig
     from ..train.trainer import train
 
     set_threads(args.threads)
@@ -371,8 +364,6 @@ def add_draft_vocab(sub) -> None:
 
 
 def cmd_draft_vocab(args) -> int:
-    from pathlib import Path
-
     from ..atomic import write_text
     from ..checkpoint import DRAFT_VOCAB, draft_vocab_json
     from ..config import load_config

@@ -1,10 +1,21 @@
-"""Speculative decoding: settings, a request's state and result, proposers, and the decoder that runs cycles."""
+"""Speculative decoding: settings, a request's state and result, proposers, and the decoder that runs cycles.
 
-from .decoder import Decoder, decode_batch, generate_ids
-from .proposers import Proposal, Proposer
-from .request import Cycle, GenerationResult, Request, Timing, mean_acceptance
-from .settings import DEFAULT_TREE, DecodeSettings, add_decode_arguments, settings_from, settings_from_args
+Only the settings load with the package (the command line checks flags without torch); the rest on first use.
+"""
 
-__all__ = ["DEFAULT_TREE", "Cycle", "DecodeSettings", "Decoder", "GenerationResult", "Proposal", "Proposer", "Request",
-           "Timing", "add_decode_arguments", "decode_batch", "generate_ids", "mean_acceptance", "settings_from",
-           "settings_from_args"]
+import importlib
+
+from .settings import DEFAULT_TREE, DecodeSettings, SamplingParams, add_decode_arguments, settings_from, settings_from_args
+
+_LAZY = {"Decoder": "decoder", "decode_batch": "decoder", "generate_ids": "decoder", "Proposal": "proposers",
+         "Proposer": "proposers", "Cycle": "request", "GenerationResult": "request", "Request": "request",
+         "Timing": "request", "mean_acceptance": "request"}
+
+__all__ = ["DEFAULT_TREE", "DecodeSettings", "SamplingParams", "add_decode_arguments", "settings_from",
+           "settings_from_args", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

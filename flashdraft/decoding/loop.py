@@ -6,7 +6,8 @@ The decoder (decoder.py) and MLX (mlx/decode.py) apply them: propose → verify 
 from __future__ import annotations
 
 import torch
-from ..sampling import SamplingParams, accept_greedy, accept_sampling, process, sample
+from ..sampling import accept_greedy, accept_sampling, process, sample
+from .settings import SamplingParams
 from ..tree import accept_tree_greedy
 from .proposers import Proposal
 

@@ -5,56 +5,35 @@ than the drafter was trained with."""
 from __future__ import annotations
 
 import sys
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..decoding.settings import DEFAULTS, DecodeSettings
+from .. import target as T
+from ..config import load_config
+from ..decoding import DecodeSettings, GenerationResult, Timing
+from ..decoding.settings import DEFAULTS
 from ..errors import FlashdraftError
-from . import check_chain_engine
 from ..llamacpp.build import tool
 from ..llamacpp.gguf import Gguf, cached_export, resolve_ggufs
-from ..llamacpp.server import LlamaServer
+from ..llamacpp.server import Completion, LlamaServer
+from ..models import REGISTRY, registered_drafter
+from . import check_chain_engine
 
 
-@dataclass
-class LlamaCppTiming:
-    """The server's own timings (no HTTP); tokens_per_s is the decode rate: tokens after the first / generation time."""
-
-    prefill_s: float
-    draft_s: float | None  # None: plain decoding, or llama-server logged no draft timer (missing, not zero)
-    total_s: float
-    tokens_per_s: float
-
-
-@dataclass
-class LlamaCppResult:
-    """One llama.cpp generation, shaped like decode.GenerationResult where the two engines agree."""
-
-    output_ids: list[int]
-    num_prompt_tokens: int
-    prompt_ms: float  # the server's prefill time
-    predicted_ms: float  # its generation time
-    draft_ms: float | None  # its drafting time (None: plain decoding, or not in the server's log)
-    config: dict
-    acceptance_lengths: list[int] = field(default_factory=list)  # per cycle: drafts accepted + 1 (DFlash only)
-    text: str = ""
-
-    @property
-    def num_new_tokens(self) -> int:
-        return len(self.output_ids)
-
-    @property
-    def timing(self) -> LlamaCppTiming:
-        tok_s = (max(len(self.output_ids) - 1, 0) / (self.predicted_ms / 1000) if self.predicted_ms > 0 else 0.0)
-        draft_s = None if self.draft_ms is None else self.draft_ms / 1000
-        return LlamaCppTiming(self.prompt_ms / 1000, draft_s,
-                              (self.prompt_ms + self.predicted_ms) / 1000, tok_s)
-
-    def to_record(self) -> dict:
-        return {"output_ids": self.output_ids, "text": self.text, "num_prompt_tokens": self.num_prompt_tokens,
-                "num_new_tokens": self.num_new_tokens, "acceptance_lengths": self.acceptance_lengths,
-                "timing": asdict(self.timing), "config": self.config}
+def completion_result(c: Completion, num_prompt_tokens: int, config: dict, text: str = "") -> GenerationResult:
+    """One llama-server generation as a GenerationResult. Its times are the server's own (no HTTP): prefill_s its
+    prompt time, draft_s its drafting timer (None: plain decoding, or no draft timer in the server's log: missing, not
+    zero); it does not time verification apart (verify_s, other_s None). llama.cpp reports no blocks, only each
+    cycle's accepted drafts (reported_acceptance); its raw ms timers are in extras."""
+    draft_s = None if c.draft_ms is None else c.draft_ms / 1000
+    # tokens_per_s is the decode rate: the tokens after the first over the server's generation time (the prefill's
+    # first token is not counted), as llama.cpp reports its own speed
+    tok_s = max(len(c.tokens) - 1, 0) / (c.predicted_ms / 1000) if c.predicted_ms > 0 else 0.0
+    timing = Timing(prefill_s=c.prompt_ms / 1000, draft_s=draft_s, verify_s=None, other_s=None,
+                    total_s=(c.prompt_ms + c.predicted_ms) / 1000, tokens_per_s=tok_s)
+    return GenerationResult(c.tokens, num_prompt_tokens, [], timing, config, text,
+                            extras={"prompt_ms": c.prompt_ms, "predicted_ms": c.predicted_ms, "draft_ms": c.draft_ms},
+                            reported_acceptance=list(c.acceptance_lengths))
 
 
 MAX_CTX = 8192  # llama-server allocates its whole KV cache up front: beyond this it only wastes memory here
@@ -62,17 +41,12 @@ MAX_CTX = 8192  # llama-server allocates its whole KV cache up front: beyond thi
 
 def server_context(target) -> int:
     """llama-server's context: the target's (what prompts are checked against), capped at MAX_CTX."""
-    from ..target import context_limit
-
-    return min(context_limit(target.model), MAX_CTX)
+    return min(T.context_limit(target.model), MAX_CTX)
 
 
 def drafter_block(target, drafter: str | Path | None, block_size: int | None) -> tuple[Path | None, int]:
     """(drafter directory, block size) for llama.cpp's DFlash; block 1 decodes plainly. The registered drafter runs
     at the registry's llama.cpp block size, any other at its trained one unless block_size says otherwise."""
-    from ..config import load_config
-    from ..models import REGISTRY, registered_drafter
-
     src = drafter or registered_drafter(target.name)
     if src is None:
         if block_size not in (None, 1):
@@ -125,7 +99,7 @@ class LlamaCppEngine:
         return cls(target, server, file, block)
 
     def generate(self, prompt_ids: list[int], settings: DecodeSettings,
-                 on_tokens: Callable[[list[int]], None] | None = None) -> LlamaCppResult:
+                 on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
         """Greedy at temperature 0, else the same temperature / top-k / top-p as flashdraft; the server's own EOS."""
         s, ctx = settings, self.server.ctx
         if len(prompt_ids) >= ctx:
@@ -135,13 +109,12 @@ class LlamaCppEngine:
         c = self.server.complete(prompt_ids, min(s.max_new_tokens, ctx - len(prompt_ids)), s.temperature, s.top_k,
                                  s.top_p, s.seed)
         config = {"engine": "llamacpp", "gguf": str(self.gguf.path), "block_size": self.block_size}
-        result = LlamaCppResult(c.tokens, len(prompt_ids), c.prompt_ms, c.predicted_ms, c.draft_ms, config,
-                                c.acceptance_lengths, self.target.decode(c.tokens))
+        result = completion_result(c, len(prompt_ids), config, self.target.decode(c.tokens))
         if on_tokens and c.tokens:
             on_tokens(c.tokens)  # the server answers in one piece
         return result
 
-    def describe(self, result: LlamaCppResult) -> str:
+    def describe(self, result: GenerationResult) -> str:
         """The summary line's account of a generation."""
         acc = result.acceptance_lengths
         tau = sum(acc) / len(acc) if acc else 1.0

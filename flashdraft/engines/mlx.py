@@ -8,8 +8,15 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from ..decoding.settings import DEFAULTS, DecodeSettings
+import torch
+
+from .. import target as T
+from ..checkpoint import check_compatible, load_drafter
+from ..decoding import DecodeSettings, GenerationResult
+from ..decoding.settings import DEFAULTS
 from ..errors import FlashdraftError
+from ..mlx import require_mlx
+from ..models import REGISTRY, registered_drafter, resolve_target
 from . import check_chain_engine
 
 
@@ -26,8 +33,6 @@ class MlxEngine:
     @classmethod
     def check(cls, settings: DecodeSettings, lookup_flag: str | None = None) -> None:
         """One-line errors for a missing MLX and for what only the torch engine does (trees, DLoop)."""
-        from ..mlx import require_mlx
-
         require_mlx()
         check_chain_engine(settings, lookup_flag, "MLX", lookup=True)
 
@@ -36,18 +41,13 @@ class MlxEngine:
              plain: bool = False) -> MlxEngine:
         """Load target's directory with mlx-lm (in the torch target's dtype) and drafter (a directory; None: the
         target's registered one) into MLX; plain: no drafter."""
-        import torch
-
-        from ..checkpoint import check_compatible, load_drafter
         from ..mlx.drafter import from_torch
-        from ..mlx.target import DTYPES, load_mlx_target
-        from ..models import REGISTRY, registered_drafter, resolve_target
-        from .. import target as T
+        from ..mlx.target import MLX_DTYPES, load_mlx_target
 
         settings = settings or DEFAULTS
         cls.check(settings)
         dtype = str(next(target.model.parameters()).dtype).removeprefix("torch.")
-        if dtype not in DTYPES:
+        if dtype not in MLX_DTYPES:
             raise FlashdraftError(f"the mlx engine runs float32, bfloat16 or float16, not {dtype}; pass --dtype")
         src = None if plain or settings.block_size == 1 else drafter or registered_drafter(target.name)
         mx_drafter = None
@@ -57,7 +57,7 @@ class MlxEngine:
                              T.vocab_size(target.model), str(src))
             if drafter is None and REGISTRY[target.name].block_size:
                 torch_drafter.config.block_size = REGISTRY[target.name].block_size
-            mx_drafter = from_torch(torch_drafter, DTYPES[dtype])
+            mx_drafter = from_torch(torch_drafter, MLX_DTYPES[dtype])
         elif not plain and settings.block_size not in (None, 1):
             raise FlashdraftError(f"--block-size {settings.block_size} needs a drafter: pass --drafter DIR or use 1")
         elif not plain and settings.block_size is None:  # a plain run nobody asked for: say so
@@ -83,19 +83,18 @@ class MlxEngine:
         return settings.resolve(self.block_size, self.target.stop_token_ids()).updated(tree=0)
 
     def generate(self, prompt_ids: list[int], settings: DecodeSettings,
-                 on_tokens: Callable[[list[int]], None] | None = None):
-        from .. import target as T
-        from ..mlx.decode import decode_ids
+                 on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+        from ..mlx.decode import mlx_generate_ids
 
         T.check_prompt(self.target.model, prompt_ids)
         s = self.resolve(settings)
         drafter = self.drafter if s.block_size > 1 else None
-        result = decode_ids(self.mlx_target, drafter, prompt_ids, s, T.vocab_size(self.target.model),
-                            T.context_limit(self.target.model), on_tokens)
+        result = mlx_generate_ids(self.mlx_target, drafter, prompt_ids, s, T.vocab_size(self.target.model),
+                                  T.context_limit(self.target.model), on_tokens)
         result.text = self.target.decode(result.output_ids)
         return result
 
-    def describe(self, result) -> str:
+    def describe(self, result: GenerationResult) -> str:
         c, t = result.config, result.timing
         looked = f" ({result.lookup_cycles} by prompt lookup)" if c["lookup"] else ""
         return (f"τ {result.tau:.2f} over {len(result.cycles)} cycles{looked}, {t.tokens_per_s:.1f} tok/s "

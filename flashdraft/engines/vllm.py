@@ -10,14 +10,20 @@ against the target's distribution).
 
 from __future__ import annotations
 
+import gc
 import os
 import re
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..decoding.settings import DecodeSettings
+import torch
+
+from .. import sampling as S
+from .. import target as T
+from ..config import load_config
+from ..decoding import DecodeSettings, GenerationResult, Timing
 from ..errors import FlashdraftError
+from ..models import REGISTRY, registered_drafter, resolve_target
 from . import check_chain_engine
 
 # The engine core in this process (no spawned process to import our __main__), its logs at warnings; a CPU build's
@@ -58,8 +64,6 @@ def speculative_config(drafter: str | Path, num_speculative_tokens: int) -> dict
 
 def check_drafts(drafter: str | Path, block_size: int) -> int:
     """K = block_size - 1 for vLLM, checked against the drafter's trained block (vLLM would not)."""
-    from ..config import load_config
-
     trained = load_config(drafter).block_size
     if not 2 <= block_size <= trained:
         raise FlashdraftError(f"--block-size {block_size}: vLLM drafts block_size - 1 tokens after the anchor, from 2 "
@@ -98,43 +102,6 @@ def validated(kw: dict) -> dict:
     return kw
 
 
-@dataclass
-class VllmTiming:
-    """From vLLM's per-request stats: time to the first token and the decode rate after it."""
-
-    prefill_s: float
-    total_s: float
-    tokens_per_s: float
-
-
-@dataclass
-class VllmResult:
-    """One vLLM generation, shaped like decode.GenerationResult where the engines agree."""
-
-    output_ids: list[int]
-    num_prompt_tokens: int
-    ttft_s: float  # arrival → first token
-    first_ts: float  # vLLM's engine clock (monotonic) at the first and the last token: batches share one clock
-    last_ts: float
-    config: dict
-    acceptance_lengths: list[int] = field(default_factory=list)  # per verify step: drafts accepted + 1 (DFlash only)
-    text: str = ""
-
-    @property
-    def num_new_tokens(self) -> int:
-        return len(self.output_ids)
-
-    @property
-    def timing(self) -> VllmTiming:
-        n, decode_s = max(len(self.output_ids) - 1, 0), self.last_ts - self.first_ts
-        return VllmTiming(self.ttft_s, self.ttft_s + decode_s, n / decode_s if decode_s > 0 else 0.0)
-
-    def to_record(self) -> dict:
-        return {"output_ids": self.output_ids, "text": self.text, "num_prompt_tokens": self.num_prompt_tokens,
-                "num_new_tokens": self.num_new_tokens, "acceptance_lengths": self.acceptance_lengths,
-                "timing": asdict(self.timing), "config": self.config}
-
-
 def sampling_params(settings: DecodeSettings, stop_ids: list[int]):
     """vLLM's SamplingParams for flashdraft's settings: greedy at temperature 0, else the same processing and seed."""
     from vllm import SamplingParams
@@ -146,9 +113,13 @@ def sampling_params(settings: DecodeSettings, stop_ids: list[int]):
     return SamplingParams(temperature=s.temperature, top_k=s.top_k or -1, top_p=s.top_p, seed=s.seed, **common)
 
 
-def result_of(out, config: dict, speculative: bool = False) -> VllmResult:
-    """A VllmResult from one vLLM RequestOutput (times from its own stats; acceptance from its spec counters, which a
-    speculative request must have: without them τ is unknown, not 1)."""
+def result_of(out, config: dict, speculative: bool = False) -> GenerationResult:
+    """One vLLM RequestOutput as a GenerationResult. Its times are vLLM's own per-request stats: prefill_s is the time
+    to the first token (arrival → first token), total_s that plus the decode window (first → last token); vLLM times
+    no draft or verify phase apart (draft_s, verify_s, other_s None). Acceptance comes from its spec counters
+    (reported_acceptance, per verify step: drafts accepted + 1), which a speculative request must have: without them τ
+    is unknown, not 1. extras: ttft_s, and first_ts / last_ts, vLLM's engine clock (monotonic) at the first and the
+    last token, which the requests of a batch share."""
     c, m = out.outputs[0], out.metrics
     if m is None:
         raise RuntimeError("vLLM returned no request stats (the engine must run with disable_log_stats=False)")
@@ -158,8 +129,15 @@ def result_of(out, config: dict, speculative: bool = False) -> VllmResult:
                               "(τ) is unknown; use a vLLM with per_request_spec_decode_metrics (`make vllm`) or "
                               "--engine torch")
     acc = [a + 1 for a in spec.per_step_accepted] if spec is not None else []
-    return VllmResult(list(c.token_ids), len(out.prompt_token_ids), max(m.first_token_latency, 0.0), m.first_token_ts,
-                      max(m.last_token_ts, m.first_token_ts), config, acc)
+    ids, ttft = list(c.token_ids), max(m.first_token_latency, 0.0)
+    first, last = m.first_token_ts, max(m.last_token_ts, m.first_token_ts)
+    decode_s = last - first
+    # tokens_per_s is the decode rate after the first token: the tokens after the first over the decode window
+    tok_s = max(len(ids) - 1, 0) / decode_s if decode_s > 0 else 0.0
+    timing = Timing(prefill_s=ttft, draft_s=None, verify_s=None, other_s=None, total_s=ttft + decode_s,
+                    tokens_per_s=tok_s)
+    return GenerationResult(ids, len(out.prompt_token_ids), [], timing, config,
+                            extras={"ttft_s": ttft, "first_ts": first, "last_ts": last}, reported_acceptance=acc)
 
 
 SELF_CHECK_PROMPT = "Name three colours and one animal."
@@ -169,17 +147,13 @@ SELF_CHECK_ALPHA = 1e-3  # a correct sampler fails about one set of seeds in a t
 
 def exact_pairs(target, ids: list[int], top_k: int) -> dict[tuple[int, int], float]:
     """P(first, second token | ids) of plain sampling from the target at temperature 1 with top-k (torch, exact)."""
-    import torch
-
-    from ..sampling import SamplingParams, process
-
-    params, out = SamplingParams(1.0, top_k), {}
+    params, out = S.SamplingParams(1.0, top_k), {}
     with torch.inference_mode():
         dev = target.model.device
-        p1 = process(target.model(torch.tensor([ids], device=dev)).logits[0, -1], params)
+        p1 = S.process(target.model(torch.tensor([ids], device=dev)).logits[0, -1], params)
         firsts = [int(t) for t in p1.nonzero().flatten()]
         rows = target.model(torch.tensor([ids + [t] for t in firsts], device=dev)).logits[:, -1]
-        for a, p2 in zip(firsts, process(rows, params)):
+        for a, p2 in zip(firsts, S.process(rows, params)):
             for b in p2.nonzero().flatten().tolist():
                 out[(a, b)] = float(p1[a]) * float(p2[b])
     return out
@@ -187,8 +161,6 @@ def exact_pairs(target, ids: list[int], top_k: int) -> dict[tuple[int, int], flo
 
 def chi_square_p(counts: dict, exact: dict[tuple, float]) -> float:
     """Goodness-of-fit p-value of counts against exact probabilities (cells expected below 5 pooled into one)."""
-    import torch
-
     n = sum(counts.values())
     big = [k for k, p in exact.items() if p * n >= 5]
     obs, exp = [counts.get(k, 0) for k in big], [exact[k] * n for k in big]
@@ -254,10 +226,6 @@ class VllmEngine:
              plain: bool = False) -> VllmEngine:
         """target: a loaded flashdraft Target (its directory is what vLLM loads); drafter: a DFlash directory (None:
         the registered one), run at settings.block_size (default the drafter's trained block)."""
-        from ..config import load_config
-        from ..models import REGISTRY, registered_drafter, resolve_target
-        from ..target import context_limit
-
         block = settings.block_size if settings else None
         src = None if plain or block == 1 else drafter or registered_drafter(target.name)  # block 1: plain
         if src is None and not (plain or block == 1):
@@ -265,7 +233,7 @@ class VllmEngine:
         entry = REGISTRY.get(target.name) if drafter is None else None  # the registered drafter's own block size
         k = check_drafts(src, block or (entry and entry.block_size) or load_config(src).block_size) if src else 0
         dtype = str(next(target.model.parameters()).dtype).removeprefix("torch.")
-        kw = engine_kwargs(resolve_target(target.name), src, k, dtype, context_limit(target.model))
+        kw = engine_kwargs(resolve_target(target.name), src, k, dtype, T.context_limit(target.model))
         return cls(target, Path(src) if src else None, k, validated(kw))
 
     @property
@@ -294,7 +262,7 @@ class VllmEngine:
             raise FlashdraftError(f"vLLM's speculative sampling fails its self-check here: {why}{known}; use "
                                   "--temperature 0, --engine torch, or a vLLM build with the fix")
 
-    def generate_many(self, prompts: list[list[int]], settings: DecodeSettings) -> list[VllmResult]:
+    def generate_many(self, prompts: list[list[int]], settings: DecodeSettings) -> list[GenerationResult]:
         """All prompts decoded together (vLLM's continuous batching); results in prompt order."""
         from vllm.inputs import TokensPrompt
 
@@ -310,14 +278,14 @@ class VllmEngine:
         return results
 
     def generate(self, prompt_ids: list[int], settings: DecodeSettings,
-                 on_tokens: Callable[[list[int]], None] | None = None) -> VllmResult:
+                 on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
         """One generation (vLLM answers in one piece)."""
         result = self.generate_many([prompt_ids], settings)[0]
         if on_tokens and result.output_ids:
             on_tokens(result.output_ids)
         return result
 
-    def describe(self, result: VllmResult) -> str:
+    def describe(self, result: GenerationResult) -> str:
         """The summary line's account of a generation."""
         acc, rate = result.acceptance_lengths, f"{result.timing.tokens_per_s:.1f} tok/s"
         if self.drafter is None:
@@ -333,8 +301,6 @@ class VllmEngine:
             shutdown = getattr(engine, "shutdown", None) or getattr(engine.engine_core, "shutdown", None)
             if shutdown:
                 shutdown()
-            import gc
-
             gc.collect()
 
     def __enter__(self) -> VllmEngine:

@@ -9,11 +9,12 @@ from ..errors import FlashdraftError
 
 LLAMACPP_VERSION = "0.3.36"  # the llama-cpp-python sdist whose vendored llama.cpp `make llamacpp` builds (Makefile)
 HOW_TO_GET = "run `make llamacpp` (builds the pinned llama.cpp once) or set FLASHDRAFT_LLAMACPP to such a build"
+OUTTYPES = ("f32", "f16", "bf16", "q8_0")  # the weight types llama.cpp's converter writes that flashdraft offers
 
 
 def home() -> Path:
     """Where the llama.cpp build lives: $FLASHDRAFT_LLAMACPP, else <flashdraft cache>/llamacpp/<version>."""
-    from ..models import cache_root
+    from ..models import cache_root  # local: `flashdraft export --help` reads OUTTYPES here without loading torch
 
     env = os.environ.get("FLASHDRAFT_LLAMACPP")
     return Path(env) if env else cache_root() / "llamacpp" / LLAMACPP_VERSION

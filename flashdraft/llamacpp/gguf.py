@@ -12,10 +12,13 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import FlashdraftError
-from .build import LLAMACPP_VERSION, converter
+from transformers import AutoConfig
 
-OUTTYPES = ("f32", "f16", "bf16", "q8_0")
+from ..checkpoint import check_compatible
+from ..config import load_config
+from ..errors import FlashdraftError
+from ..models import REGISTRY, cache_root, gguf_path, resolve_target
+from .build import LLAMACPP_VERSION, OUTTYPES, converter
 
 
 def check_writable(out: Path) -> None:
@@ -62,8 +65,6 @@ def convert(model_dir: Path, out: Path, outtype: str, target_dir: Path | None = 
 
 def target_dims(target_dir: Path) -> tuple[int, int, int]:
     """(layers, hidden size, vocabulary) from a HF target directory's config."""
-    from transformers import AutoConfig
-
     try:
         config = AutoConfig.from_pretrained(target_dir, local_files_only=True).get_text_config()
     except (OSError, ValueError) as e:
@@ -73,8 +74,6 @@ def target_dims(target_dir: Path) -> tuple[int, int, int]:
 
 def local_target_dir(target: str | None) -> Path:
     """A registered name or a local HF directory → its directory (the converter needs files, not a hub id)."""
-    from ..models import resolve_target
-
     path = Path(resolve_target(target))
     if not (path / "config.json").is_file():
         raise FlashdraftError(f"target {target!r} is not a local HF model directory (config.json); the GGUF converter "
@@ -88,9 +87,6 @@ def export_drafter(drafter_dir: str | Path, out: str | Path, target: str | None 
     The converter writes target layer ids +1 (llama.cpp taps layer inputs, HF hidden_states[i+1] is layer i's output).
     A draft_vocab.json is not carried over: llama.cpp drafts over the whole vocabulary.
     """
-    from ..checkpoint import check_compatible
-    from ..config import load_config
-
     drafter_dir, out = Path(drafter_dir), Path(out)
     check_writable(out)
     config = load_config(drafter_dir)
@@ -129,8 +125,6 @@ def _model_files(d: Path) -> list[Path]:
 
 def cached_export(kind: str, src: Path, outtype: str, target: str | None = None) -> Path:
     """Export a drafter (kind "drafter") or target (kind "target") once per content and outtype; cached GGUF path."""
-    from ..models import cache_root
-
     target_dir = local_target_dir(target) if kind == "drafter" else None
     files = _model_files(src) + (_model_files(target_dir) if target_dir else [])
     out = cache_root() / "gguf" / f"{src.name}-{_digest(files)}.{outtype}.gguf"
@@ -157,8 +151,6 @@ class Gguf:
 
 def resolve_ggufs(specs: list[str] | None, target_name: str) -> list[Gguf]:
     """--gguf values → labelled target files: an outtype is exported once (cached), `packaged` is the registry's."""
-    from ..models import REGISTRY, gguf_path
-
     out = []
     for spec in specs or ["f32"]:
         if spec in OUTTYPES:

@@ -21,7 +21,7 @@ from ..decoding import Cycle, DecodeSettings, GenerationResult, Request
 from ..decoding.loop import pick
 from ..lookup import LOOKUP_BLOCK, lookup_drafts, one_hot_q
 from ..sampling import accept_greedy, accept_sampling, process
-from .drafter import ContextCache, MlxDrafter, draft
+from .drafter import MlxContextCache, MlxDrafter, draft
 from .target import MlxTarget, cache_length, trim
 
 
@@ -43,7 +43,7 @@ class MlxSession:
         self.vocab = vocab
         self.request = q = Request.open(prompt_ids, s, context)  # its torch samplers: the target's is shared
         self.tokens, self.end, self.timing = q.tokens, q.end, q.timing
-        self.cache, self.draft_cache = target.new_cache(), ContextCache()
+        self.cache, self.draft_cache = target.new_cache(), MlxContextCache()
         self.speculative = s.block_size > 1 and drafter is not None
         self.lookup = bool(s.lookup) and s.block_size > 1
         self.layer_ids = list(drafter.config.target_layer_ids) if self.speculative else []

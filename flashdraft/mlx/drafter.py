@@ -15,10 +15,10 @@ from mlx_lm.models.activations import swiglu
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..config import DrafterConfig, layer_attention
-from ..sampling import SamplingParams
-from .sampling import process, sample
+from ..decoding.settings import SamplingParams
+from .sampling import mlx_process, mlx_sample
 
-KV = tuple[mx.array, mx.array]  # each [1, kv_heads, n, head_dim]
+MlxKV = tuple[mx.array, mx.array]  # each [1, kv_heads, n, head_dim]
 
 
 class Attention(nn.Module):
@@ -39,12 +39,12 @@ class Attention(nn.Module):
     def _heads(self, x: mx.array, n: int) -> mx.array:
         return x.reshape(*x.shape[:2], n, self.head_dim).transpose(0, 2, 1, 3)
 
-    def kv(self, x: mx.array, offset: int) -> KV:
+    def kv(self, x: mx.array, offset: int) -> MlxKV:
         """K/V for inputs x [1, n, h] at positions offset.."""
         k = self.rope(self.k_norm(self._heads(self.k_proj(x), self.n_kv)), offset=offset)
         return k, self._heads(self.v_proj(x), self.n_kv)
 
-    def __call__(self, x: mx.array, offset: int, ctx: KV, mask: mx.array | None) -> mx.array:
+    def __call__(self, x: mx.array, offset: int, ctx: MlxKV, mask: mx.array | None) -> mx.array:
         q = self.rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), offset=offset)
         k_blk, v_blk = self.kv(x, offset)
         k, v = mx.concatenate([ctx[0], k_blk], 2), mx.concatenate([ctx[1], v_blk], 2)
@@ -63,7 +63,7 @@ class MLP(nn.Module):
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
-def grouped_conv(x: mx.array, base: mx.array, delta: mx.array) -> mx.array:
+def mlx_grouped_conv(x: mx.array, base: mx.array, delta: mx.array) -> mx.array:
     """out_t = Σ_o (base[o] + δ_t[o] per channel group) · x_{t-o} within one block; x [1, T, H], base [K, H],
     delta [1, T, K, H/G]."""
     T, H = x.shape[1], x.shape[2]
@@ -75,7 +75,7 @@ def grouped_conv(x: mx.array, base: mx.array, delta: mx.array) -> mx.array:
     return out
 
 
-class ShortConv(nn.Module):
+class MlxShortConv(nn.Module):
     """DFlash 2: a learned base kernel plus a per-position, per-channel-group correction from the normed input."""
 
     def __init__(self, c: DrafterConfig):
@@ -86,8 +86,8 @@ class ShortConv(nn.Module):
 
     def around(self, h: mx.array, sublayer) -> mx.array:
         delta = self.kernel_projection(h).reshape(*h.shape[:2], 2, self.kernel, self.groups)
-        y = sublayer(grouped_conv(h, self.base_kernel[0], delta[:, :, 0]))
-        return grouped_conv(y, self.base_kernel[1], delta[:, :, 1])
+        y = sublayer(mlx_grouped_conv(h, self.base_kernel[0], delta[:, :, 0]))
+        return mlx_grouped_conv(y, self.base_kernel[1], delta[:, :, 1])
 
 
 class Layer(nn.Module):
@@ -100,9 +100,9 @@ class Layer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.convs = c.arch == "dflash2"
         if self.convs:
-            self.attention_conv, self.mlp_conv = ShortConv(c), ShortConv(c)
+            self.attention_conv, self.mlp_conv = MlxShortConv(c), MlxShortConv(c)
 
-    def __call__(self, x: mx.array, offset: int, ctx: KV, mask: mx.array | None) -> mx.array:
+    def __call__(self, x: mx.array, offset: int, ctx: MlxKV, mask: mx.array | None) -> mx.array:
         def attn(h: mx.array) -> mx.array:
             return self.self_attn(h, offset, ctx, mask)
 
@@ -112,7 +112,7 @@ class Layer(nn.Module):
         return x + (self.mlp_conv.around(h, self.mlp) if self.convs else self.mlp(h))
 
 
-class CandidateSelector(nn.Module):
+class MlxCandidateSelector(nn.Module):
     """DFlash 2: S_t(a, b) = U_t(b) + ⟨pred[a] ⊙ W h_t, succ[b]⟩ over each position's top-k candidates."""
 
     def __init__(self, c: DrafterConfig):
@@ -159,20 +159,20 @@ class MlxDrafter(nn.Module):
         self.fc = nn.Linear(len(c.target_layer_ids) * c.target_hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         if c.arch == "dflash2":
-            self.candidate_selector = CandidateSelector(c)
+            self.candidate_selector = MlxCandidateSelector(c)
         self.draft_vocab: mx.array | None = None  # sorted ids the drafter may propose (None: all)
         self._draft_head: tuple | None = None  # (the head weight, its draft_vocab rows transposed), gathered once
 
-    def context_kv(self, features: mx.array, offset: int) -> list[KV]:
+    def context_kv(self, features: mx.array, offset: int) -> list[MlxKV]:
         """features [1, n, len(ids)·target_hidden] at positions offset.. → per-layer K/V."""
         c = self.hidden_norm(self.fc(features))
         return [layer.self_attn.kv(c, offset) for layer in self.layers]
 
-    def __call__(self, block_emb: mx.array, start: int, ctx: list[KV]) -> mx.array:
+    def __call__(self, block_emb: mx.array, start: int, ctx: list[MlxKV]) -> mx.array:
         """block_emb [1, B, h] at positions start.. → final-normed hidden [1, B, h]."""
         scale = self.config.input_embedding_scale
         x = block_emb if scale is None else block_emb * scale
-        masks = inference_masks(self.config, start, block_emb.shape[1])
+        masks = mlx_inference_masks(self.config, start, block_emb.shape[1])
         for layer, kind, layer_ctx in zip(self.layers, self.config.layer_types, ctx):
             x = layer(x, start, layer_ctx, masks[kind])
         return self.norm(x)
@@ -208,11 +208,11 @@ class MlxDrafter(nn.Module):
                                                 key)
         if params.greedy:
             return mx.argmax(logits, -1), None
-        q = process(logits, params)
-        return sample(q, key), q
+        q = mlx_process(logits, params)
+        return mlx_sample(q, key), q
 
 
-def inference_masks(c: DrafterConfig, start: int, b: int) -> dict[str, mx.array | None]:
+def mlx_inference_masks(c: DrafterConfig, start: int, b: int) -> dict[str, mx.array | None]:
     """Per layer kind: None where the whole context and block are visible, else a bool mask [1, 1, b, start + b]
     (drafter.py's visible_keys)."""
     diff = (start + mx.arange(b))[:, None] - mx.arange(start + b)[None]
@@ -228,23 +228,23 @@ def inference_masks(c: DrafterConfig, start: int, b: int) -> dict[str, mx.array 
     return masks
 
 
-class ContextCache:
+class MlxContextCache:
     """Per-layer K/V of the projected target features of committed positions."""
 
     def __init__(self):
-        self.kv: list[KV] = []
+        self.kv: list[MlxKV] = []
 
     @property
     def length(self) -> int:
         return self.kv[0][0].shape[2] if self.kv else 0
 
-    def extend(self, new: list[KV]) -> list[KV]:
+    def extend(self, new: list[MlxKV]) -> list[MlxKV]:
         self.kv = list(new) if not self.kv else [(mx.concatenate([k, nk], 2), mx.concatenate([v, nv], 2))
                                                  for (k, v), (nk, nv) in zip(self.kv, new)]
         return self.kv
 
 
-def draft(drafter: MlxDrafter, cache: ContextCache, new_features: mx.array | None, block_emb: mx.array, start: int,
+def draft(drafter: MlxDrafter, cache: MlxContextCache, new_features: mx.array | None, block_emb: mx.array, start: int,
           head_weight: mx.array, n: int) -> tuple[mx.array, mx.array]:
     """Committed features into the cache, one pass over block_emb [1, B, h] at start.. → (hidden [n, h],
     logits [n, V]) of the last n block positions (the head runs on n + 1 rows, as drafter.py's proposal_logits)."""

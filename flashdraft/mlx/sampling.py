@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..sampling import SamplingParams
+from ..decoding.settings import SamplingParams
 
 
-def process(logits: mx.array, params: SamplingParams) -> mx.array:
+def mlx_process(logits: mx.array, params: SamplingParams) -> mx.array:
     """logits [..., V] → float32 probabilities after temperature, top-k, then top-p (as sampling.process)."""
     logits = logits.astype(mx.float32) / params.temperature
     V = logits.shape[-1]
@@ -25,6 +25,6 @@ def process(logits: mx.array, params: SamplingParams) -> mx.array:
     return probs
 
 
-def sample(probs: mx.array, key: mx.array | None) -> mx.array:
+def mlx_sample(probs: mx.array, key: mx.array | None) -> mx.array:
     """probs [..., V] → token ids [...]."""
     return mx.random.categorical(mx.log(probs), axis=-1, key=key)

@@ -14,9 +14,10 @@ import mlx.nn as nn
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.utils import load_model
 
+from ..dtypes import DTYPE_NAMES
 from ..errors import FlashdraftError
 
-DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+MLX_DTYPES = {name: getattr(mx, name) for name in DTYPE_NAMES}
 
 
 class Capture(nn.Module):
@@ -144,6 +145,6 @@ def load_mlx_target(path: str | Path, dtype: str) -> MlxTarget:
     if kinds:
         raise FlashdraftError(f"the mlx engine cannot decode {path.name}: mlx-lm cannot roll back its "
                               f"{', '.join(kinds)} cache layers, which rejected drafts need; use --engine torch")
-    model.set_dtype(DTYPES[dtype])
+    model.set_dtype(MLX_DTYPES[dtype])
     mx.eval(model.parameters())
     return MlxTarget(model, {})

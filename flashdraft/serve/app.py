@@ -26,7 +26,7 @@ from starlette.middleware.trustedhost import TrustedHostMiddleware
 from .. import __version__
 from ..decoding import GenerationResult
 from .protocol import (ApiError, ChatRequest, CompletionRequest, Parsed, Served, chunk_body, completion_body,
-                       extension, new_id, now, parse, parse_json, sse, usage)
+                       extension, new_id, unix_time, parse, parse_json, sse, usage)
 from .scheduler import Scheduler
 from .worker import Job
 
@@ -182,7 +182,7 @@ def create_app(scheduler: Scheduler, served: Served, api_key: str | None = None,
                hosts: list[str] | None = None) -> FastAPI:
     """The OpenAI-compatible app around one scheduler (one model); api_key: the Bearer token every route but /health
     needs (None: none); hosts: the Host header values it answers (None: any; see allowed_hosts)."""
-    started = now()
+    started = unix_time()
     pool = ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="flashdraft-parse")
 
     @contextlib.asynccontextmanager
@@ -266,7 +266,7 @@ def add_completion_routes(app: FastAPI, scheduler: Scheduler, served: Served, po
             raise
 
     async def handle(request: Request, kind: str):
-        rid, created = new_id(kind), now()
+        rid, created = new_id(kind), unix_time()
         parsed, job = await admit(request, kind, rid)
         if parsed.stream:
             return JobStream(stream(kind, rid, created, parsed, job), job, scheduler)

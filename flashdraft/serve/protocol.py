@@ -6,14 +6,15 @@ import json
 import secrets
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .. import target as T
+from ..decoding import GenerationResult
 from ..models import Target
-from .engine import GenRequest, Outcome, PerThread
+from .worker import GenRequest, PerThread
 
 
 class ApiError(Exception):
@@ -271,25 +272,26 @@ def new_id(kind: str) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
 
 
-def usage(gen: GenRequest, out: Outcome) -> dict:
+def usage(gen: GenRequest, out: GenerationResult) -> dict:
     n = len(out.output_ids)
     return {"prompt_tokens": len(gen.prompt_ids), "completion_tokens": n, "total_tokens": len(gen.prompt_ids) + n}
 
 
-def extension(gen: GenRequest, out: Outcome, block_size: int) -> dict:
+def extension(gen: GenRequest, out: GenerationResult, block_size: int) -> dict:
     """The flashdraft field: τ, acceptance lengths, the timing split, what exactly was decoded, and the most
     sequences its cycles were batched with."""
-    return {"tau": out.tau, "acceptance_lengths": out.acceptance_lengths, "timing": out.timing,
-            "output_ids": out.output_ids, "block_size": block_size, "seed": gen.seed, "batch": out.batch}
+    return {"tau": out.tau, "acceptance_lengths": out.acceptance_lengths,
+            "timing": asdict(out.timing) | {"queue_s": out.extras["queue_s"]}, "output_ids": out.output_ids,
+            "block_size": block_size, "seed": gen.seed, "batch": out.extras["batch"]}
 
 
-def completion_body(kind: str, rid: str, model: str, created: int, gen: GenRequest, out: Outcome,
+def completion_body(kind: str, rid: str, model: str, created: int, gen: GenRequest, out: GenerationResult,
                     block_size: int) -> dict:
     if kind == "chat":
         choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
-                  "finish_reason": out.finish_reason, "logprobs": None}
+                  "finish_reason": out.extras["finish_reason"], "logprobs": None}
     else:
-        choice = {"index": 0, "text": out.text, "finish_reason": out.finish_reason, "logprobs": None}
+        choice = {"index": 0, "text": out.text, "finish_reason": out.extras["finish_reason"], "logprobs": None}
     return {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion", "created": created,
             "model": model, "choices": [choice], "usage": usage(gen, out),
             "flashdraft": extension(gen, out, block_size)}
@@ -310,5 +312,6 @@ def sse(data: dict | str) -> bytes:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
 
 
-def now() -> int:
+def unix_time() -> int:
+    """Seconds since the epoch, as the OpenAI bodies' `created` field has them."""
     return int(time.time())

@@ -4,8 +4,8 @@ continuous batching, tensor parallelism), with the speculative config flashdraft
 num_speculative_tokens K: `--block-size B` gives K = B - 1; otherwise on a GPU the drafter's trained block (a verify of
 16 tokens costs about one decoding step there), and on a CPU the block with the best predicted speedup from this
 machine's cost profile (flashdraft's own loop on one prompt: verify and draft cost per block size, the drafter's
-acceptance; bench/profile.py). Where vLLM's speculative sampling fails its self-check, a middleware refuses requests
-that do not ask for temperature 0, with a 400 naming the defect, rather than serve garbage.
+acceptance; flashdraft/decoding/costs.py). Where vLLM's speculative sampling fails its self-check, a middleware refuses
+requests that do not ask for temperature 0, with a 400 naming the defect, rather than serve garbage.
 """
 
 from __future__ import annotations
@@ -13,37 +13,34 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import socket
 import sys
 from pathlib import Path
 
-from ..errors import FlashdraftError
-from ..sampling import MIN_TEMPERATURE
+from ..config import load_config
+from ..decoding import DecodeSettings, generate_ids
+from ..decoding.costs import best_block, measure_torch, predict, truncated_tau
+from ..engines.vllm import (CPU_SAMPLING_DEFECT, ENV_DEFAULTS, VllmEngine, check_drafts, is_cpu_build, require_vllm,
+                            speculative_config)
+from ..models import load_drafter_for, load_target, registered_drafter, resolve_target, served_name
+from ..decoding.settings import MIN_TEMPERATURE
+from . import free_port
 
 CALIBRATION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many "
                "clips did Natalia sell altogether in April and May? Explain step by step.")
-TORCH_ONLY = {"fixed_block": "--fixed-block", "tree": "--tree", "lookup": "--lookup", "no_lookup": "--no-lookup"}
 GUARD = "flashdraft.serve.vllm.greedy_only"
 GUARDED_PATHS = ("/v1/chat/completions", "/v1/completions")
 
 
 def derived_drafts(target, drafter: Path, tokens: int = 64) -> tuple[int, str]:
     """(K, why) for this machine: the trained block on a GPU; on a CPU the best predicted block of its cost profile."""
-    from ..bench.profile import best_block, measure_torch, predict, truncated_tau
-    from ..config import load_config
-    from ..decoding.settings import DecodeSettings
-    from ..engines.torch import decode_ids
-    from ..engines.vllm import is_cpu_build
-    from ..models import load_drafter_for
-
     trained = load_config(drafter).block_size
     if not is_cpu_build():
         return trained - 1, f"the drafter's trained block {trained} (a GPU verifies it in about one step)"
     torch_drafter = load_drafter_for(target, drafter)
     torch_drafter.config.block_size = trained
     ids = target.encode(CALIBRATION)
-    run = decode_ids(target.model, torch_drafter, ids, DecodeSettings(block_size=trained, max_new_tokens=tokens,
-                                                                      stop_token_ids=(), lookup=False, tree=0))
+    run = generate_ids(target.model, torch_drafter, ids, DecodeSettings(block_size=trained, max_new_tokens=tokens,
+                                                                        stop_token_ids=(), lookup=False, tree=0))
     hist: dict[int, int] = {}
     for a in run.acceptance_lengths:
         hist[a] = hist.get(a, 0) + 1
@@ -53,11 +50,6 @@ def derived_drafts(target, drafter: Path, tokens: int = 64) -> tuple[int, str]:
     best = best_block(profile, taus) or trained
     return best - 1, (f"block {best} of {blocks}: predicted {predict(profile, taus)[best]:.2f}x plain from this "
                       f"machine's cost profile and τ {run.tau:.2f} at block {trained} on a calibration prompt")
-
-
-def free_port(host: str) -> int:
-    with socket.create_server((host, 0)) as s:
-        return s.getsockname()[1]
 
 
 def server_entry(model_dir: str) -> list[str]:
@@ -84,23 +76,9 @@ def vllm_command(model_dir: str, spec: dict | None, args, port: int, guard: bool
     return cmd + shlex.split(args.vllm_args or "")
 
 
-def check_vllm_options(args) -> None:
-    """One-line errors for flags only flashdraft's own server has."""
-    for name, flag in TORCH_ONLY.items():
-        if getattr(args, name, None) not in (None, False):
-            raise FlashdraftError(f"{flag} is for --engine torch (vLLM's server verifies a chain every cycle); drop it")
-    if getattr(args, "loop_stages", 1) not in (None, 1):
-        raise FlashdraftError("--loop-stages (DLoop) is for --engine torch; drop it")
-
-
-def cmd_serve_vllm(args, key: str | None = None) -> int:
-    """Derive the speculative config, self-check sampling, then run (or print) `vllm serve`."""
-    from ..decoding.settings import DecodeSettings
-    from ..engines.vllm import (CPU_SAMPLING_DEFECT, ENV_DEFAULTS, VllmEngine, check_drafts, is_cpu_build,
-                                require_vllm, speculative_config)
-    from ..models import load_target, registered_drafter, resolve_target, served_name
-
-    check_vllm_options(args)
+def run_vllm_server(args, key: str | None = None, hosts: list[str] | None = None) -> int:
+    """Derive the speculative config, self-check sampling, then run (or print) `vllm serve` (the flags checked by
+    flashdraft/cli/serve.py; key: the API key; hosts: unused, vLLM's server does not check the Host header)."""
     user_env = dict(os.environ)
     require_vllm()
     target = load_target(args.target, dtype=args.dtype)
@@ -152,8 +130,6 @@ async def greedy_only(request, call_next):
             body = {}
         t = body.get("temperature") if isinstance(body, dict) else None
         if not (isinstance(t, (int, float)) and not isinstance(t, bool) and 0 <= t < MIN_TEMPERATURE):
-            from ..engines.vllm import CPU_SAMPLING_DEFECT
-
             msg = (f"this vLLM build samples wrongly with speculative decoding ({CPU_SAMPLING_DEFECT}); send "
                    "temperature 0 (the OpenAI default is 1)")
             return JSONResponse({"error": {"message": msg, "type": "invalid_request_error", "param": "temperature",

@@ -53,7 +53,7 @@ class SlotLayer(DynamicLayer):
 
 
 @dataclass
-class Row:
+class PromptRow:
     """One prompt being answered: its ids so far, features per fed position, top-k per generated token."""
 
     index: int  # position in the caller's prompt list
@@ -81,7 +81,7 @@ class Answer:
     topk_logprobs: torch.Tensor | None
 
 
-def pick(logits: torch.Tensor, temperature: float, gen: torch.Generator | None) -> torch.Tensor:
+def next_tokens(logits: torch.Tensor, temperature: float, gen: torch.Generator | None) -> torch.Tensor:
     """Next tokens [b] from logits [b, V]: argmax at temperature 0, else a draw from softmax(logits / T)."""
     if temperature == 0:
         return logits.argmax(-1)
@@ -106,7 +106,7 @@ class Batcher:
         self.width = max_prompt + max_new_tokens + slack + 1
         self.layers = [SlotLayer(rows, self.width) for _ in range(n_layers)]
         self.cache = Cache(layers=self.layers)
-        self.live: list[Row] = []
+        self.live: list[PromptRow] = []
         self.hi = max_prompt  # a new prompt of any allowed length fits left of the pointer
         self.dev = next(model.parameters()).device
 
@@ -148,9 +148,9 @@ class Batcher:
             return None
         return torch.cat([hidden_states[i + 1] for i in self.layer_ids], -1).to(torch.bfloat16)
 
-    def record(self, rows: list[Row], logits: torch.Tensor) -> None:
+    def record(self, rows: list[PromptRow], logits: torch.Tensor) -> None:
         """Append the next token (and its top-k) to each of rows from their logits [b, V]."""
-        nxt = pick(logits, self.temperature, self.gen).tolist()
+        nxt = next_tokens(logits, self.temperature, self.gen).tolist()
         if self.topk:
             lp = torch.log_softmax(logits.float(), -1)
             vals, idx = lp.topk(self.topk, -1)
@@ -162,7 +162,7 @@ class Batcher:
             if nxt[j] in self.stop or len(r.ids) - r.prompt_len >= self.max_new:
                 r.finished, r.done = nxt[j] in self.stop, True
 
-    def admit(self, new: list[Row]) -> None:
+    def admit(self, new: list[PromptRow]) -> None:
         """Prefill new rows (left-padded together) and place their K/V so each prompt ends at the pointer."""
         if self.hi + 1 > self.width:
             self.compact()
@@ -214,7 +214,7 @@ class Batcher:
                 r.features.append(feats[j].cpu())
         self.record([self.live[j] for j in going], out.logits[going, -1])
 
-    def answer(self, r: Row) -> Answer:
+    def answer(self, r: PromptRow) -> Answer:
         cat = lambda xs, dim=0: torch.cat(xs, dim) if xs else None  # noqa: E731
         stack = lambda xs: torch.stack(xs) if xs else None  # noqa: E731
         return Answer(r.index, r.ids, r.prompt_len, r.finished, cat(r.features),
@@ -236,7 +236,7 @@ class Batcher:
             if queue and (free >= admit_at or not self.live):
                 take = [queue.pop() for _ in range(min(free, len(queue)))]
                 for group in prefill_groups([len(prompts[i]) for i in take]):
-                    self.admit([Row(take[k], len(prompts[take[k]]), list(prompts[take[k]])) for k in group])
+                    self.admit([PromptRow(take[k], len(prompts[take[k]]), list(prompts[take[k]])) for k in group])
             else:
                 self.step()
             # A done row leaves once it has been fed its last token (features for every position), or at once

@@ -18,6 +18,7 @@ from .config import TrainConfig
 from .data import Sequence, data_dirs, read_meta
 from .loss import loss_vocabulary, position_weights
 from .mask import block_labels, eligible_anchors, sample_anchors, stage_len
+from .store import is_store, load_data, target_sha256
 
 
 # ---------------------------------------------------------------- data order
@@ -66,8 +67,6 @@ def frequent_tokens(seqs: list[Sequence], n: int, vocab: int) -> torch.Tensor:
 
 def check_feature_layers(cfg: TrainConfig, drafter_config: DrafterConfig) -> None:
     """Offline training needs features stored for exactly the drafter's target layers."""
-    from .store import is_store
-
     want = list(drafter_config.target_layer_ids)
     for d in data_dirs(cfg.data) if cfg.offline else []:
         if is_store(d):
@@ -83,8 +82,6 @@ def prepare_sequences(cfg: TrainConfig, drafter_config: DrafterConfig, vocab: in
                       target_model=None) -> tuple[list[Sequence], list[Sequence]]:
     """Load the data, keep sequences with at least one whole supervised block, split off the held-out set; token
     stores give the shards the target (when given) generated."""
-    from .store import is_store, load_data, target_sha256
-
     where = " + ".join(data_dirs(cfg.data))
     check_feature_layers(cfg, drafter_config)
     stores = target_model is not None and any(is_store(d) for d in data_dirs(cfg.data))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..checkpoint import parse_dtype
+from ..dtypes import dtype_name
 from ..errors import FlashdraftError
 
 
@@ -82,8 +82,8 @@ def check_config(cfg: TrainConfig, world: int) -> None:
         raise FlashdraftError("--distill-weight needs --offline data prepared with --topk K, and must be >= 0")
     if cfg.extend and not cfg.resume:
         raise FlashdraftError("--extend only applies with --resume")
-    parse_dtype(cfg.dtype)
-    parse_dtype(cfg.save_dtype)
+    dtype_name(cfg.dtype)
+    dtype_name(cfg.save_dtype)
 
 
 def check_ranges(cfg: TrainConfig) -> None:

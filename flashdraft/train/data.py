@@ -34,9 +34,10 @@ from .. import target as T
 from ..atomic import atomic_dir, write_text
 from ..errors import FlashdraftError
 from ..jsonl import read_records
-from .prompts import PROMPT_KEYS, Prompt, encode_prompt, first_turn
+from .batcher import Answer, Batcher
+from .prompts import PROMPT_KEYS, Conversation, encode_prompt, first_turn
 
-FORMAT = "flashdraft-data-v1"
+DATA_FORMAT = "flashdraft-data-v1"
 
 
 @dataclass
@@ -95,25 +96,25 @@ def read_dataset_prompts(name: str, split: str = "train", config: str | None = N
     return [p for i, rec in enumerate(ds) if (p := prompt_of(rec, f"{name}[{i}]")).strip()]
 
 
-def in_dev_split(prompt: Prompt, percent: float) -> bool:
+def in_dev_split(prompt: Conversation, percent: float) -> bool:
     """A fixed, order-independent hold-out: the hash of the first turn decides, so adding sources never moves a
     prompt and every context of one conversation falls on the same side."""
     return int(hashlib.sha256(first_turn(prompt).encode()).hexdigest()[:8], 16) % 10_000 < percent * 100
 
 
-def split_dev(prompts: list[Prompt], percent: float) -> tuple[list[Prompt], list[Prompt]]:
+def split_dev(prompts: list[Conversation], percent: float) -> tuple[list[Conversation], list[Conversation]]:
     """(training prompts, dev prompts): the dev split is never generated or trained on; it is for measuring τ."""
     held = [in_dev_split(p, percent) for p in prompts]
     return [p for p, h in zip(prompts, held) if not h], [p for p, h in zip(prompts, held) if h]
 
 
-def dev_jsonl(dev: list[Prompt]) -> str:
+def dev_jsonl(dev: list[Conversation]) -> str:
     """Held-out prompts as {"turns": [first turn]} lines (dev τ decodes first turns), each first turn once."""
     firsts = list(dict.fromkeys(first_turn(p) for p in dev))
     return "".join(json.dumps({"id": f"dev-{i}", "turns": [p]}) + "\n" for i, p in enumerate(firsts))
 
 
-def write_dev(out_dir: str | Path, dev: list[Prompt]) -> None:
+def write_dev(out_dir: str | Path, dev: list[Conversation]) -> None:
     """OUT/dev.jsonl: the held-out prompts."""
     write_text(Path(out_dir) / "dev.jsonl", dev_jsonl(dev))
 
@@ -173,7 +174,7 @@ def generate_responses(model, prompts: list[list[int]], *, max_new_tokens: int, 
 
 
 @torch.inference_mode()
-def target_features(model, seqs: list[torch.Tensor], layer_ids: list[int]) -> list[torch.Tensor]:
+def sequence_features(model, seqs: list[torch.Tensor], layer_ids: list[int]) -> list[torch.Tensor]:
     """Selected-layer hidden states per position, one [n_i, len(layer_ids) * hidden] tensor per sequence."""
     return [f for f, _ in target_passes(model, seqs, layer_ids, 0)]
 
@@ -211,8 +212,6 @@ def answer_continuous(model, enc: list[list[int]], order: list[int], *, rows: in
                       temperature: float, stop_ids: list[int], pad_id: int, seed: int, layer_ids: list[int] | None,
                       topk: int):
     """Answers in completion order from the continuous batcher, prompts admitted in `order`."""
-    from .batcher import Batcher
-
     if not enc:
         return
     b = Batcher(model, rows=rows, max_prompt=max(map(len, enc)), max_new_tokens=max_new_tokens, stop_ids=stop_ids,
@@ -225,8 +224,6 @@ def answer_static(model, enc: list[list[int]], order: list[int], *, rows: int, m
                   topk: int):
     """Answers from `model.generate` on consecutive batches of `order` (length-sorted: little padding), then one
     full forward for features and top-k."""
-    from .batcher import Answer
-
     for b0 in range(0, len(order), rows):
         idx = order[b0:b0 + rows]
         resps = generate_responses(model, [enc[j] for j in idx], max_new_tokens=max_new_tokens,
@@ -256,11 +253,11 @@ def shard_dir(out: Path, i: int) -> Path:
     return out / f"shard_{i:05d}"
 
 
-def prompts_hash(prompts: list[Prompt]) -> str:
+def prompts_hash(prompts: list[Conversation]) -> str:
     return hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
 
 
-def shard_done(path: Path, prompts: list[Prompt]) -> bool:
+def shard_done(path: Path, prompts: list[Conversation]) -> bool:
     """A finished shard made from exactly these prompts (older shards without a hash: same count)."""
     file = path / "tokens.safetensors"
     if not file.is_file():
@@ -274,7 +271,7 @@ def shard_done(path: Path, prompts: list[Prompt]) -> bool:
     return stored == prompts_hash(prompts) if stored else count == len(prompts)
 
 
-def write_shard(path: Path, seqs: list[Sequence], prompts: list[Prompt] | None = None) -> None:
+def write_shard(path: Path, seqs: list[Sequence], prompts: list[Conversation] | None = None) -> None:
     """Write one shard directory atomically (tokens, and features when every sequence has them)."""
     lens = torch.tensor([0] + [len(s.input_ids) for s in seqs], dtype=torch.int64)
     tokens = {"input_ids": torch.cat([s.input_ids for s in seqs]).to(torch.int32),
@@ -286,7 +283,7 @@ def write_shard(path: Path, seqs: list[Sequence], prompts: list[Prompt] | None =
         if all(s.topk_ids is not None for s in seqs):
             save_file({"ids": torch.cat([s.topk_ids for s in seqs]).contiguous(),
                        "logprobs": torch.cat([s.topk_logprobs for s in seqs]).contiguous()}, str(tmp / "topk.safetensors"))
-        meta = {"format": FORMAT, **({"prompts_sha256": prompts_hash(prompts)} if prompts is not None else {})}
+        meta = {"format": DATA_FORMAT, **({"prompts_sha256": prompts_hash(prompts)} if prompts is not None else {})}
         save_file(tokens, str(tmp / "tokens.safetensors"), metadata=meta)
 
 
@@ -318,8 +315,8 @@ def read_meta(data_dir: str | Path) -> dict:
         meta = json.loads(file.read_text())
     except json.JSONDecodeError as e:
         raise FlashdraftError(f"{file} is not valid JSON ({e.msg}); re-run flashdraft prepare") from None
-    if meta.get("format") != FORMAT:
-        raise FlashdraftError(f"{file}: format {meta.get('format')!r} is not {FORMAT!r}")
+    if meta.get("format") != DATA_FORMAT:
+        raise FlashdraftError(f"{file}: format {meta.get('format')!r} is not {DATA_FORMAT!r}")
     return meta
 
 
@@ -373,9 +370,10 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} GB"
 
 
-def prepare(target, prompts: list[Prompt], out_dir: str | Path, *, max_new_tokens: int = 256, temperature: float = 0.0,
-            batch_size: int = 16, shard_size: int = 256, seed: int = 0, feature_layer_ids: list[int] | None = None,
-            chat: bool = True, sources: list[str] | None = None, progress: bool = True, topk: int = 0,
+def prepare(target, prompts: list[Conversation], out_dir: str | Path, *, max_new_tokens: int = 256,
+            temperature: float = 0.0, batch_size: int = 16, shard_size: int = 256, seed: int = 0,
+            feature_layer_ids: list[int] | None = None, chat: bool = True, sources: list[str] | None = None,
+            progress: bool = True, topk: int = 0,
             batching: str = "continuous", part: tuple[int, int] = (0, 1),
             dev: list[str] | None = None) -> dict:
     """Generate target responses for prompts into sharded token files under out_dir; returns a summary dict.
@@ -391,7 +389,7 @@ def prepare(target, prompts: list[Prompt], out_dir: str | Path, *, max_new_token
     model = target.model
     check_feature_layer_ids(model, feature_layer_ids)
     out = Path(out_dir)
-    meta = {"format": FORMAT, "target": target.name, "num_prompts": len(prompts), "shard_size": shard_size,
+    meta = {"format": DATA_FORMAT, "target": target.name, "num_prompts": len(prompts), "shard_size": shard_size,
             "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed, "chat": chat,
             "feature_layer_ids": feature_layer_ids, "topk": topk, "sources": sources or [],
             "dtype": str(next(model.parameters()).dtype).replace("torch.", "")}
@@ -410,7 +408,7 @@ def prepare(target, prompts: list[Prompt], out_dir: str | Path, *, max_new_token
     new_tokens = fill_shards(target, out, chunks, todo, shard_size=shard_size, batching=batching, rows=batch_size,
                              max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, chat=chat,
                              layer_ids=feature_layer_ids, topk=topk, progress=progress)
-    return summarize(out, time.perf_counter() - t0, new_tokens)
+    return data_stats(out, time.perf_counter() - t0, new_tokens)
 
 
 def check_prepare_settings(max_new_tokens: int, batch_size: int, shard_size: int, temperature: float,
@@ -462,7 +460,7 @@ def check_context(model, enc: list[list[int]], index: list[int], max_new_tokens:
                                   "--max-new-tokens")
 
 
-def fill_shards(target, out: Path, chunks: dict[int, list[Prompt]], todo: list[int], *, shard_size: int,
+def fill_shards(target, out: Path, chunks: dict[int, list[Conversation]], todo: list[int], *, shard_size: int,
                 batching: str, rows: int, max_new_tokens: int, temperature: float, seed: int, chat: bool,
                 layer_ids: list[int] | None, topk: int, progress: bool) -> int:
     """Answer the prompts of the shards in `todo` and write each shard as it completes; returns new tokens."""
@@ -513,8 +511,8 @@ def answer_chunks(target, enc: list[list[list[int]]], *, batching: str, rows: in
             yield i, seqs.pop(i)  # type: ignore[misc]
 
 
-def add_features(model, out: Path, shards: list[int], prompts: list[Prompt], shard_size: int, layer_ids: list[int],
-                 batch_size: int, progress: bool = True) -> None:
+def add_features(model, out: Path, shards: list[int], prompts: list[Conversation], shard_size: int,
+                 layer_ids: list[int], batch_size: int, progress: bool = True) -> None:
     """Compute and store features for finished shards that lack them, from their stored tokens (no regeneration)."""
     from tqdm import tqdm
 
@@ -527,14 +525,14 @@ def add_features(model, out: Path, shards: list[int], prompts: list[Prompt], sha
         order = sorted(range(len(seqs)), key=lambda j: len(seqs[j].input_ids))
         for b0 in range(0, len(order), batch_size):
             idx = order[b0:b0 + batch_size]
-            for j, f in zip(idx, target_features(model, [seqs[j].input_ids for j in idx], layer_ids)):
+            for j, f in zip(idx, sequence_features(model, [seqs[j].input_ids for j in idx], layer_ids)):
                 seqs[j].features = f
         write_shard(shard_dir(out, i), seqs, prompts[i * shard_size:(i + 1) * shard_size])
         bar.update(1)
     bar.close()
 
 
-def summarize(out: Path, seconds: float = 0.0, new_tokens: int = 0) -> dict:
+def data_stats(out: Path, seconds: float = 0.0, new_tokens: int = 0) -> dict:
     """Counts over every finished shard of a data directory."""
     seqs = load_sequences(out)
     n_tok = sum(len(s.input_ids) for s in seqs)

@@ -15,6 +15,7 @@ from torch import nn
 from ..config import DrafterConfig
 from ..decoding import DecodeSettings, generate_ids, mean_acceptance
 from ..errors import FlashdraftError
+from ..models import load_target
 from .batches import TrainData, anchor_generator
 from .config import TrainConfig
 from .data import Sequence, interleave, read_jsonl_prompts
@@ -23,6 +24,7 @@ from .loss import mean_loss, position_accuracy, tau_hat
 from .mask import sample_anchors, stage_len
 from .setup import Runtime
 from .step import StepStats
+from .store import dev_files
 
 
 # ---------------------------------------------------------------- held-out sequences
@@ -184,8 +186,6 @@ def dev_setup(cfg: TrainConfig, target, is_main: bool, say) -> dict | None:
         return None
     if cfg.dev_prompts and not Path(cfg.dev_prompts).is_file():
         raise FlashdraftError(f"--dev-prompts {cfg.dev_prompts} does not exist")
-    from .store import dev_files
-
     paths = [Path(cfg.dev_prompts)] if cfg.dev_prompts else dev_files(cfg.data, cfg.data_source)
     if not paths:
         return None
@@ -193,8 +193,6 @@ def dev_setup(cfg: TrainConfig, target, is_main: bool, say) -> dict | None:
     where = " + ".join(map(str, paths))
     dev_target = target
     if next(target.model.parameters()).dtype != torch.float32:  # τ is measured as it will be served: float32
-        from ..models import load_target
-
         dev_target = load_target(cfg.target, dtype="float32", device=str(next(target.model.parameters()).device))
     say(f"flashdraft: dev τ on {len(prompts)} prompts of {where}, {cfg.dev_max_new_tokens} new tokens, float32",
         file=sys.stderr)

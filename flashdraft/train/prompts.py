@@ -15,7 +15,7 @@ from typing import Iterator, TextIO, Union
 from ..errors import FlashdraftError
 from ..jsonl import read_records
 
-Prompt = Union[str, tuple]  # str: one user turn; tuple[str, ...]: user, assistant, …, user
+Conversation = Union[str, tuple]  # str: one user turn; tuple[str, ...]: user, assistant, …, user
 PROMPT_KEYS = ("prompt", "instruction", "question", "input", "text")
 USER_ROLES = {"human", "user"}
 ASSISTANT_ROLES = {"gpt", "assistant", "chatgpt", "bard", "bing"}
@@ -24,26 +24,26 @@ SHAREGPT_EXTRA = "pip install 'flashdraft[sharegpt]'"
 
 # ---------------------------------------------------------------- multi-turn prompts
 
-def turns_of(prompt: Prompt) -> tuple[str, ...]:
+def turns_of(prompt: Conversation) -> tuple[str, ...]:
     """The prompt's turns: user, assistant, …, user."""
     return (prompt,) if isinstance(prompt, str) else tuple(prompt)
 
 
-def first_turn(prompt: Prompt) -> str:
+def first_turn(prompt: Conversation) -> str:
     return turns_of(prompt)[0]
 
 
-def prompt_key(prompt: Prompt) -> str:
+def prompt_key(prompt: Conversation) -> str:
     """16 hex digits of the sha256 of the turns: one prompt's identity in a token store, whatever its source."""
     return hashlib.sha256(json.dumps(list(turns_of(prompt)), ensure_ascii=False).encode()).hexdigest()[:16]
 
 
-def messages_of(prompt: Prompt) -> list[dict]:
+def messages_of(prompt: Conversation) -> list[dict]:
     """Chat-template messages of a prompt."""
     return [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns_of(prompt))]
 
 
-def encode_prompt(target, prompt: Prompt, chat: bool = True) -> list[int]:
+def encode_prompt(target, prompt: Conversation, chat: bool = True) -> list[int]:
     """Prompt ids: `Target.encode` for one turn, the chat template over the whole conversation for several."""
     if isinstance(prompt, str):
         return target.encode(prompt, chat=chat)
@@ -79,7 +79,7 @@ def read_exclude(paths: list[str]) -> set[str]:
     return {n for p in paths for _, rec in read_records(p) for t in record_texts(rec) if (n := normalise(t))}
 
 
-def excluded(prompt: Prompt, texts: set[str]) -> bool:
+def excluded(prompt: Conversation, texts: set[str]) -> bool:
     """Whether any user turn of the prompt is one of the excluded texts."""
     return any(normalise(t) in texts for t in turns_of(prompt)[0::2])
 
@@ -126,7 +126,7 @@ def json_array_items(f: TextIO, stats: dict, chunk: int = 1 << 20) -> Iterator[o
         yield item
 
 
-def conversation_prompts(record: object, max_turns: int = 0) -> list[Prompt]:
+def conversation_prompts(record: object, max_turns: int = 0) -> list[Conversation]:
     """One prompt per user turn of a conversation that opens with a user turn: the first turn as a string, later
     ones with the conversation before them; stops at the first turn out of alternation or empty."""
     msgs = record.get("conversations") if isinstance(record, dict) else None
@@ -138,16 +138,16 @@ def conversation_prompts(record: object, max_turns: int = 0) -> list[Prompt]:
         if role not in want or not isinstance(text, str) or not text.strip():
             break
         turns.append(text)
-    out: list[Prompt] = [turns[0]] if turns else []
+    out: list[Conversation] = [turns[0]] if turns else []
     out += [tuple(turns[: k + 1]) for k in range(2, len(turns), 2)]
     return out[:max_turns] if max_turns else out
 
 
-def read_sharegpt(path: str | Path, max_turns: int = 0) -> tuple[list[Prompt], dict]:
+def read_sharegpt(path: str | Path, max_turns: int = 0) -> tuple[list[Conversation], dict]:
     """Prompts of a ShareGPT JSON file (an array of {"conversations": [{"from", "value"}, ...]}), conversation by
     conversation; and counts: read, truncated, opening (with a user turn), first_turns, later (contexts)."""
     stats: dict = {}
-    prompts: list[Prompt] = []
+    prompts: list[Conversation] = []
     opening = 0
     try:
         with open(path, encoding="utf-8") as f:
@@ -173,7 +173,7 @@ def sharegpt_file() -> Path:
         return Path(path)
 
 
-def read_source(spec: str, max_turns: int = 0) -> tuple[str, list[Prompt], str]:
+def read_source(spec: str, max_turns: int = 0) -> tuple[str, list[Conversation], str]:
     """--source NAME[=FILE] → (name, prompts, one line saying what was read)."""
     name, _, file = spec.partition("=")
     if name != "sharegpt":

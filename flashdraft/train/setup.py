@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..checkpoint import parse_dtype
+from ..models import load_target
 
 
 @dataclass
@@ -67,8 +68,6 @@ def start_runtime(device: str | None, dtype: str) -> Runtime:
 def frozen_target(name: str | None, target, rt: Runtime):
     """The target (loaded from --target unless given) in eval mode without gradients."""
     if target is None:
-        from ..models import load_target
-
         target = load_target(name, dtype=rt.dtype, device=str(rt.device))
     target.model.eval()
     for p in target.model.parameters():

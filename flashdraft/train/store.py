@@ -37,11 +37,11 @@ import torch
 from .. import target as T
 from ..atomic import write_bytes, write_text
 from ..errors import FlashdraftError
-from .data import (Sequence, answer_chunks, check_alike, check_prepare_settings, data_dirs, dev_jsonl, human_bytes,
-                   interleave, load_sequences, read_meta)
-from .prompts import Prompt, encode_prompt, prompt_key
+from .data import (Sequence, answer_chunks, check_alike, check_prepare_settings, data_dirs, dev_jsonl,
+                   full_attention_only, human_bytes, interleave, load_sequences, read_meta)
+from .prompts import Conversation, encode_prompt, prompt_key
 
-FORMAT = "flashdraft-tokens-v1"
+STORE_FORMAT = "flashdraft-tokens-v1"
 MANIFEST = "manifest.json"
 MIB = 1 << 20
 CAP_MIB = 64.0  # the repository keeps the whole store; beyond this it belongs elsewhere
@@ -55,8 +55,8 @@ class Source:
     """A named prompt source: its training prompts with their positions in the source as read, and its dev split."""
 
     name: str
-    items: list[tuple[int, Prompt]]
-    dev: list[Prompt]
+    items: list[tuple[int, Conversation]]
+    dev: list[Conversation]
 
 
 @dataclass
@@ -86,9 +86,10 @@ def read_manifest(store: str | Path) -> dict:
         manifest = json.loads(file.read_text())
     except (json.JSONDecodeError, OSError, UnicodeDecodeError) as e:
         raise FlashdraftError(f"{file} is unreadable ({e}); restore it with git checkout -- {file}") from None
-    ok = isinstance(manifest, dict) and manifest.get("format") == FORMAT and isinstance(manifest.get("shards"), list)
+    ok = (isinstance(manifest, dict) and manifest.get("format") == STORE_FORMAT
+          and isinstance(manifest.get("shards"), list))
     if not ok:
-        raise FlashdraftError(f"{file}: not a {FORMAT} manifest")
+        raise FlashdraftError(f"{file}: not a {STORE_FORMAT} manifest")
     return manifest
 
 
@@ -126,7 +127,7 @@ def open_store(store: Path) -> None:
         store.mkdir(parents=True, exist_ok=True)
     with locked(store):
         if not is_store(store):
-            write_text(store / MANIFEST, manifest_text({"format": FORMAT, "shards": []}))
+            write_text(store / MANIFEST, manifest_text({"format": STORE_FORMAT, "shards": []}))
         listed = {e.get("file") for e in read_manifest(store)["shards"]}
         for f in list(store.rglob("*")):
             scratch = f.name.startswith(".") and f.name.endswith(".tmp")
@@ -174,7 +175,7 @@ def shard_bytes(seqs: list[Sequence], vocab: int) -> tuple[bytes, dict]:
               "prompt_lens": np.array([len(i) - r for i, r in zip(ids, n_resp)], dtype=np.uint32),
               "response_lens": np.array(n_resp, dtype=np.uint32),
               "finished": np.array([s.finished for s in seqs], dtype=np.uint8)}
-    data = lzma.compress(save(arrays, metadata={"format": FORMAT}), format=lzma.FORMAT_XZ, filters=XZ_FILTERS)
+    data = lzma.compress(save(arrays, metadata={"format": STORE_FORMAT}), format=lzma.FORMAT_XZ, filters=XZ_FILTERS)
     counts = {"sequences": len(seqs), "prompt_tokens": int(arrays["prompt_lens"].sum()),
               "response_tokens": sum(n_resp), "unfinished": sum(not s.finished for s in seqs)}
     return data, counts
@@ -365,8 +366,6 @@ def prepare_store(target, sources: list[Source], store: str | Path, *, max_sampl
     """Answer the sources' prompts not yet in the store (same target checksum and settings) and append them as
     shards; returns store_summary() plus this run's generated tokens, seconds and rate."""
     from tqdm import tqdm
-
-    from .data import full_attention_only
 
     log = log or (lambda msg: print(f"flashdraft: {msg}", file=sys.stderr))
     check_prepare_settings(max_new_tokens, batch_size, shard_size, temperature, 0)

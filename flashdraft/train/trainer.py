@@ -25,6 +25,7 @@ from .data import data_dirs
 from .evaluate import Clock, Meter, append_row, dev_line, dev_row, dev_setup, held_out_row, log_line
 from .setup import Models, Runtime, barrier, dist_info, frozen_target, sigterm_flag, start_runtime, wrap_ddp
 from .step import make_optimizer, train_step
+from .store import check_data, is_store
 
 
 @dataclass
@@ -102,8 +103,6 @@ def quiet(*args, **kwargs) -> None:
 
 def check_run(cfg: TrainConfig) -> None:
     """The settings, then that every --data is a prepared directory or token store: fail before loading any model."""
-    from .store import check_data, is_store
-
     check_config(cfg, dist_info()[1])
     for d in data_dirs(cfg.data):
         check_data(d)
