@@ -13,7 +13,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 from .config import DrafterConfig, layer_attention
 from .dflash2 import CandidateSelector, ShortConv, selector_children
 from .packed import is_packed, linear, pack_weight
-from .decoding.settings import SamplingParams
+from .sampling_params import SamplingParams
 from .sampling import process, sample
 
 KV = tuple[torch.Tensor, torch.Tensor]  # each [b, kv_heads, n, head_dim]

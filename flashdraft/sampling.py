@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .decoding.settings import SamplingParams
+from .sampling_params import SamplingParams
 
 
 def process(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -13,7 +13,7 @@ from flashdraft.decoding.adaptive import Acceptance, AdaptivePolicy, CostModel, 
 from flashdraft.decoding.decoder import Decoder, decode_batch
 from flashdraft.dflash2 import upgrade_to_dflash2
 from flashdraft.errors import FlashdraftError
-from flashdraft.decoding.settings import SamplingParams
+from flashdraft.sampling_params import SamplingParams
 
 
 def prompts(n: int, vocab: int = 90) -> list[list[int]]:

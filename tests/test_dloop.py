@@ -12,7 +12,7 @@ from flashdraft.cli import main
 from flashdraft.decoding.proposers import DrafterPass, LoopProposer, Proposal, stage_confidence
 from flashdraft.dflash2 import upgrade_to_dflash2
 from flashdraft.errors import FlashdraftError
-from flashdraft.decoding.settings import SamplingParams
+from flashdraft.sampling_params import SamplingParams
 from helpers import hf_greedy, random_drafter, save_tiny_model_dir, tiny_target, tiny_tokenizer
 from lossless import assert_greedy_lossless, generate_drafted as generate_ids
 from test_cache_alignment import _check

@@ -21,7 +21,7 @@ from flashdraft.cli import main
 from flashdraft.decoding import generate_ids
 from flashdraft.decoding.settings import DecodeSettings
 from flashdraft.errors import FlashdraftError
-from flashdraft.decoding.settings import SamplingParams
+from flashdraft.sampling_params import SamplingParams
 from helpers import hf_greedy, random_drafter, save_tiny_model_dir, tiny_target
 from lossless import assert_greedy_lossless
 

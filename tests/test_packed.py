@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from flashdraft import packed
 from flashdraft.decoding import generate_ids
 from flashdraft.dflash2 import upgrade_to_dflash2
-from flashdraft.decoding.settings import SamplingParams
+from flashdraft.sampling_params import SamplingParams
 from helpers import hf_greedy, random_drafter, tiny_target
 from lossless import assert_greedy_lossless
 from test_sampling_lossless import ALPHA, chi2_pvalue, empirical, exact_distribution

@@ -5,7 +5,7 @@ import torch
 from scipy.stats import chisquare
 
 from flashdraft.errors import FlashdraftError
-from flashdraft.decoding.settings import SamplingParams
+from flashdraft.sampling_params import SamplingParams
 from flashdraft.sampling import accept_greedy, accept_sampling, process
 
 ALPHA = 1e-3  # false-alarm rate of every statistical test in this file
@@ -85,7 +85,7 @@ def test_accept_sampling_identical_p_q_accepts_all():
 def test_tiny_temperatures_decode_greedily(temperature):
     """logits / 1e-45 is inf: such temperatures are greedy (below MIN_TEMPERATURE), never NaN probabilities."""
     from flashdraft.decoding import generate_ids
-    from flashdraft.decoding.settings import MIN_TEMPERATURE
+    from flashdraft.sampling_params import MIN_TEMPERATURE
     from helpers import random_drafter, tiny_target
 
     assert temperature < MIN_TEMPERATURE and SamplingParams(temperature).greedy

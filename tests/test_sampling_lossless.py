@@ -7,7 +7,7 @@ from scipy.stats import chisquare
 
 import flashdraft.decoding.loop as decode_mod
 from flashdraft.decoding import generate_ids
-from flashdraft.decoding.settings import SamplingParams
+from flashdraft.sampling_params import SamplingParams
 from flashdraft.sampling import process, sample
 from helpers import random_drafter, tiny_target
 

@@ -117,7 +117,7 @@ class FakeLLM:
     def generate(self, prompts, params, use_tqdm=False):
         import torch
 
-        from flashdraft.decoding.settings import SamplingParams
+        from flashdraft.sampling_params import SamplingParams
         from flashdraft.sampling import process
 
         outs = []

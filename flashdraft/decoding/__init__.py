@@ -5,14 +5,13 @@ Only the settings load with the package (the command line checks flags without t
 
 import importlib
 
-from .settings import DEFAULT_TREE, DecodeSettings, SamplingParams, add_decode_arguments, settings_from, settings_from_args
+from .settings import DEFAULT_TREE, DecodeSettings, add_decode_arguments, settings_from, settings_from_args
 
 _LAZY = {"Decoder": "decoder", "decode_batch": "decoder", "generate_ids": "decoder", "Proposal": "proposers",
          "Proposer": "proposers", "Cycle": "request", "GenerationResult": "request", "Request": "request",
          "Timing": "request", "mean_acceptance": "request"}
 
-__all__ = ["DEFAULT_TREE", "DecodeSettings", "SamplingParams", "add_decode_arguments", "settings_from",
-           "settings_from_args", *_LAZY]
+__all__ = ["DEFAULT_TREE", "DecodeSettings", "add_decode_arguments", "settings_from", "settings_from_args", *_LAZY]
 
 
 def __getattr__(name: str):

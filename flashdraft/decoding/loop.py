@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 from ..sampling import accept_greedy, accept_sampling, process, sample
-from .settings import SamplingParams
+from ..sampling_params import SamplingParams
 from ..tree import accept_tree_greedy
 from .proposers import Proposal
 

@@ -26,7 +26,7 @@ from transformers import PreTrainedModel
 from .. import target as T
 from ..drafter import ContextCache, DFlashDrafter, draft_hidden, proposal_logits
 from ..lookup import LOOKUP_BLOCK, lookup_drafts, one_hot_q
-from ..decoding.settings import SamplingParams
+from ..sampling_params import SamplingParams
 from ..tree import TREE_WIDTH, best_first_tree, graft_chain, node_depths
 from .settings import DecodeSettings
 from .request import Request

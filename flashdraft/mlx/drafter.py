@@ -15,7 +15,7 @@ from mlx_lm.models.activations import swiglu
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..config import DrafterConfig, layer_attention
-from ..decoding.settings import SamplingParams
+from ..sampling_params import SamplingParams
 from .sampling import mlx_process, mlx_sample
 
 MlxKV = tuple[mx.array, mx.array]  # each [1, kv_heads, n, head_dim]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..decoding.settings import SamplingParams
+from ..sampling_params import SamplingParams
 
 
 def mlx_process(logits: mx.array, params: SamplingParams) -> mx.array:

@@ -249,6 +249,36 @@ def add_info_routes(app: FastAPI, scheduler: Scheduler, served: Served, started:
         return model_card(mid)
 
 
+async def stream_events(kind: str, rid: str, created: int, parsed: Parsed, job: Job,
+                        scheduler: Scheduler) -> AsyncIterator[bytes]:
+    """SSE: a role chunk, one chunk per accepted block's settled text, a final chunk with the stats, [DONE]."""
+    limits, block_size = scheduler.limits, scheduler.engine.block_size
+    if kind == "chat":
+        yield sse(chunk_body(kind, rid, parsed.model, created, role=True))
+    try:
+        while True:
+            event = await next_event(job, limits.request_timeout)
+            if event[0] == "delta":
+                yield sse(chunk_body(kind, rid, parsed.model, created, text=event[1]))
+                continue
+            out = terminal(*event, limits.request_timeout)
+            break
+    except ApiError as e:
+        scheduler.finish(job, outcome_of(e.status))
+        yield sse(e.body())
+        yield sse("[DONE]")
+        return
+    scheduler.finish(job, "ok", out)
+    final = chunk_body(kind, rid, parsed.model, created, text=None if kind == "chat" else "",
+                       finish=out.extras["finish_reason"])
+    final["flashdraft"] = extension(parsed.gen, out, block_size)
+    yield sse(final)
+    if parsed.include_usage:
+        yield sse({"id": rid, "object": final["object"], "created": created, "model": parsed.model,
+                   "choices": [], "usage": usage(parsed.gen, out)})
+    yield sse("[DONE]")
+
+
 def add_completion_routes(app: FastAPI, scheduler: Scheduler, served: Served, pool: ThreadPoolExecutor) -> None:
     """/v1/chat/completions and /v1/completions, streaming or not."""
     engine, limits = scheduler.engine, scheduler.limits
@@ -269,7 +299,7 @@ def add_completion_routes(app: FastAPI, scheduler: Scheduler, served: Served, po
         rid, created = new_id(kind), unix_time()
         parsed, job = await admit(request, kind, rid)
         if parsed.stream:
-            return JobStream(stream(kind, rid, created, parsed, job), job, scheduler)
+            return JobStream(stream_events(kind, rid, created, parsed, job, scheduler), job, scheduler)
         try:  # the worker sends a non-streaming job no deltas: the next event is the last
             out = terminal(*await next_event(job, limits.request_timeout, request), limits.request_timeout)
         except ApiError as e:
@@ -283,33 +313,6 @@ def add_completion_routes(app: FastAPI, scheduler: Scheduler, served: Served, po
             raise
         scheduler.finish(job, "ok", out)
         return completion_body(kind, rid, parsed.model, created, parsed.gen, out, engine.block_size)
-
-    async def stream(kind: str, rid: str, created: int, parsed: Parsed, job: Job) -> AsyncIterator[bytes]:
-        """SSE: a role chunk, one chunk per accepted block's settled text, a final chunk with the stats, [DONE]."""
-        if kind == "chat":
-            yield sse(chunk_body(kind, rid, parsed.model, created, role=True))
-        try:
-            while True:
-                event = await next_event(job, limits.request_timeout)
-                if event[0] == "delta":
-                    yield sse(chunk_body(kind, rid, parsed.model, created, text=event[1]))
-                    continue
-                out = terminal(*event, limits.request_timeout)
-                break
-        except ApiError as e:
-            scheduler.finish(job, outcome_of(e.status))
-            yield sse(e.body())
-            yield sse("[DONE]")
-            return
-        scheduler.finish(job, "ok", out)
-        final = chunk_body(kind, rid, parsed.model, created, text=None if kind == "chat" else "",
-                           finish=out.extras["finish_reason"])
-        final["flashdraft"] = extension(parsed.gen, out, engine.block_size)
-        yield sse(final)
-        if parsed.include_usage:
-            yield sse({"id": rid, "object": final["object"], "created": created, "model": parsed.model,
-                       "choices": [], "usage": usage(parsed.gen, out)})
-        yield sse("[DONE]")
 
     @app.post("/v1/chat/completions", summary="Chat completion (OpenAI)")
     async def chat_completions(request: Request):

@@ -22,7 +22,7 @@ from ..decoding.costs import best_block, measure_torch, predict, truncated_tau
 from ..engines.vllm import (CPU_SAMPLING_DEFECT, ENV_DEFAULTS, VllmEngine, check_drafts, is_cpu_build, require_vllm,
                             speculative_config)
 from ..models import load_drafter_for, load_target, registered_drafter, resolve_target, served_name
-from ..decoding.settings import MIN_TEMPERATURE
+from ..sampling_params import MIN_TEMPERATURE
 from . import free_port
 
 CALIBRATION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many "
