@@ -43,9 +43,9 @@ def tiny():
 def make_app(tiny, api_key: str | None = None, hosts: list[str] | None = None, max_batch: int = 4,
              limits: Limits | None = None):
     target, drafter = tiny
-    engine = Worker(target, drafter, DecodeSettings(), max_batch)
-    scheduler = Scheduler(engine, limits or Limits(request_timeout=60))
-    app = create_app(scheduler, Served([MODEL], target, 16, engine.tokens), api_key, hosts)
+    worker = Worker(target, drafter, DecodeSettings(), max_batch)
+    scheduler = Scheduler(worker, limits or Limits(request_timeout=60))
+    app = create_app(scheduler, Served([MODEL], target, 16, worker.tokens), api_key, hosts)
     return app, scheduler
 
 
@@ -75,7 +75,7 @@ BAD_NUMBERS = [  # raw JSON: 1e309 parses as infinity, and Python's json reads N
 def test_non_finite_or_out_of_range_numbers_get_400_naming_the_field(served, monkeypatch, field, raw):
     client, scheduler = served
     submitted = []
-    monkeypatch.setattr(scheduler.engine, "submit", submitted.append)  # the decoder's door
+    monkeypatch.setattr(scheduler.worker, "submit", submitted.append)  # the decoder's door
     for path, body in [("/v1/completions", f'{{"prompt": "abc", "{field}": {raw}}}'),
                        ("/v1/chat/completions", f'{{"messages": [{{"role": "user", "content": "hi"}}], '
                                                 f'"{field}": {raw}}}')]:

@@ -252,7 +252,7 @@ def add_info_routes(app: FastAPI, scheduler: Scheduler, served: Served, started:
 async def stream_events(kind: str, rid: str, created: int, parsed: Parsed, job: Job,
                         scheduler: Scheduler) -> AsyncIterator[bytes]:
     """SSE: a role chunk, one chunk per accepted block's settled text, a final chunk with the stats, [DONE]."""
-    limits, block_size = scheduler.limits, scheduler.engine.block_size
+    limits, block_size = scheduler.limits, scheduler.worker.block_size
     if kind == "chat":
         yield sse(chunk_body(kind, rid, parsed.model, created, role=True))
     try:
@@ -281,7 +281,7 @@ async def stream_events(kind: str, rid: str, created: int, parsed: Parsed, job: 
 
 def add_completion_routes(app: FastAPI, scheduler: Scheduler, served: Served, pool: ThreadPoolExecutor) -> None:
     """/v1/chat/completions and /v1/completions, streaming or not."""
-    engine, limits = scheduler.engine, scheduler.limits
+    worker, limits = scheduler.worker, scheduler.limits
 
     async def admit(request: Request, kind: str, rid: str) -> tuple[Parsed, Job]:
         try:
@@ -312,7 +312,7 @@ def add_completion_routes(app: FastAPI, scheduler: Scheduler, served: Served, po
             scheduler.finish(job, None)  # the crash handler counts it
             raise
         scheduler.finish(job, "ok", out)
-        return completion_body(kind, rid, parsed.model, created, parsed.gen, out, engine.block_size)
+        return completion_body(kind, rid, parsed.model, created, parsed.gen, out, worker.block_size)
 
     @app.post("/v1/chat/completions", summary="Chat completion (OpenAI)")
     async def chat_completions(request: Request):

@@ -1,5 +1,5 @@
 """Admission and the counters: up to max_batch decoding together plus max_queue waiting, 429 beyond, draining on
-shutdown; the decoding itself runs in the engine's one worker thread (the model is not thread-safe)."""
+shutdown; the decoding itself runs in the one worker thread (the model is not thread-safe)."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ class Collector:
 
     def collect(self):
         sch = self.scheduler
-        m, stats = sch.metrics, sch.engine.stats
+        m, stats = sch.metrics, sch.worker.stats
         requests = CounterMetricFamily("flashdraft_requests", "Requests by outcome.", labels=["outcome"])
         for outcome, n in m.requests.items():
             requests.add_metric([outcome], n)
@@ -70,7 +70,7 @@ class Collector:
             ("tokens_per_second", GaugeMetricFamily, stats.tokens_per_s(), "Tokens decoded per second, last 10 s."),
             ("batch_steps", CounterMetricFamily, stats.steps, "Batched cycles (one verify for the whole batch)."),
             ("batch_size", GaugeMetricFamily, stats.batch, "Sequences in the batch now."),
-            ("max_batch", GaugeMetricFamily, sch.engine.max_batch, "Sequences that may decode together (--max-batch)."),
+            ("max_batch", GaugeMetricFamily, sch.worker.max_batch, "Sequences that may decode together (--max-batch)."),
             ("queued_requests", GaugeMetricFamily, sch.queued, "Admitted requests waiting for a place in the batch."),
             ("running_requests", GaugeMetricFamily, stats.batch, "Requests being decoded (sequences in the batch)."),
             ("draining", GaugeMetricFamily, int(sch.draining), "1 after SIGTERM: new requests are refused."),
@@ -82,10 +82,10 @@ class Collector:
 
 
 class Scheduler:
-    """Admits up to max_batch + max_queue requests and hands them, in order, to the engine's worker thread."""
+    """Admits up to max_batch + max_queue requests and hands them, in order, to the worker thread."""
 
-    def __init__(self, engine: Worker, limits: Limits):
-        self.engine, self.limits, self.metrics = engine, limits, Metrics()
+    def __init__(self, worker: Worker, limits: Limits):
+        self.worker, self.limits, self.metrics = worker, limits, Metrics()
         self.admitted: set[Job] = set()  # until the handler has seen the job end
         self.draining = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -94,15 +94,15 @@ class Scheduler:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self.engine.start()
+        self.worker.start()
 
     async def stop(self) -> None:
         self.cancel_all("shutdown")
-        self.engine.stop()
+        self.worker.stop()
 
     @property
     def capacity(self) -> int:
-        return self.engine.max_batch + self.limits.max_queue
+        return self.worker.max_batch + self.limits.max_queue
 
     @property
     def queued(self) -> int:
@@ -111,7 +111,7 @@ class Scheduler:
     @property
     def running(self) -> int:
         """Sequences in the batch now."""
-        return self.engine.stats.batch
+        return self.worker.stats.batch
 
     def render_metrics(self) -> bytes:
         """/metrics in the Prometheus text format."""
@@ -129,12 +129,12 @@ class Scheduler:
             raise ApiError(503, "the server is shutting down", "unavailable_error", code="shutting_down")
         live = self.live
         if live >= self.capacity:
-            raise ApiError(429, f"the server is busy: {live} requests admitted ({self.engine.max_batch} "
+            raise ApiError(429, f"the server is busy: {live} requests admitted ({self.worker.max_batch} "
                                 f"decoding together, queue limit {self.limits.max_queue}); retry later",
                            "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
         job = Job(gen, time.monotonic() + self.limits.request_timeout, self._loop, stream, rid=rid)
         self.admitted.add(job)
-        self.engine.submit(job)
+        self.worker.submit(job)
         return job
 
     def finish(self, job: Job, outcome: str | None, out: GenerationResult | None = None) -> None:
