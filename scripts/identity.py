@@ -136,6 +136,11 @@ def server_answers(n_new: int) -> dict:
         proc.wait(60)
 
 
+def dumps(records: dict) -> str:
+    """One record per line, keys sorted: small, and diffable line by line."""
+    return "{\n" + ",\n".join(f"{json.dumps(k)}: {json.dumps(v, sort_keys=True)}" for k, v in sorted(records.items())) + "\n}\n"
+
+
 def unseeded(records: dict) -> dict:
     """Records with the seed a server drew for a request that sent none (greedy: it changes nothing) left out."""
     for k, r in records.items():
@@ -171,7 +176,7 @@ def main() -> int:
             t = time.perf_counter()
             out |= fn(a.max_new_tokens)
             print(f"{part}: {time.perf_counter() - t:.0f} s", file=sys.stderr)
-    a.out.write_text(json.dumps(unseeded(out), indent=1, sort_keys=True) + "\n")
+    a.out.write_text(dumps(unseeded(out)))
     print(f"{len(out)} records → {a.out}")
     return 0
 
