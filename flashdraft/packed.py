@@ -3,7 +3,7 @@
 torch runs a float32 CPU linear through BLAS, which re-packs the whole weight on every call once more than one
 row comes in; at the 1-16 rows of a decode step or a block verify that is most of the cost, and it makes a
 verify of 8 tokens cost ~1.5 decode steps. Packing each weight once into oneDNN's blocked layout makes a step
-~1.5x faster and a verify of 8 cost about what one step does (README *Performance*). The packed copy is taken
+~1.5x faster and a verify of 8 cost about what one step does (docs/performance.md). The packed copy is taken
 at load time for inference; a call with autograd live takes the unpacked weight, and a module whose weights change
 after packing must not be packed (its copy would go stale), so only loaded, frozen models are.
 """

@@ -14,7 +14,7 @@ PREFILL_CHUNK = 256  # prompt tokens per prefill pass: a long prompt costs the b
 
 # Nodes per drafter cycle by default: with the anchor a tree verifies 8 rows, as a prompt-lookup cycle does. Chosen on
 # the dev split; on a 2-core Xeon with the default drafter it raised τ by 9-21% and speed by 2-11% over the block-4
-# chain (README "Draft trees").
+# chain (docs/how-it-works.md, "Draft trees").
 DEFAULT_TREE = 7
 LOOKUP_MODES: dict[str, bool | str] = {"on": True, "off": False, "tree": "tree"}
 
