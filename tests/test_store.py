@@ -194,23 +194,6 @@ def test_repository_token_store_stays_under_its_cap():
         assert hashlib.sha256((REPO_STORE / e["file"]).read_bytes()).hexdigest() == e["sha256"], e["file"]
 
 
-def test_prefill_groups_bound_padding_and_keep_greedy_answers(monkeypatch):
-    from helpers import hf_greedy
-
-    from flashdraft.train import batcher
-
-    assert batcher.prefill_groups([5, 6, 7, 30, 31, 90], 64) == [[0, 1, 2], [3, 4], [5]]
-    assert batcher.prefill_groups([100], 64) == [[0]]  # a prompt longer than the budget goes alone
-    monkeypatch.setattr(batcher, "PREFILL_TOKENS", 40)
-    model = tiny_target("llama")
-    g = torch.Generator().manual_seed(0)
-    ps = [torch.randint(1, 90, (int(n),), generator=g).tolist() for n in torch.randint(1, 30, (12,), generator=g)]
-    b = batcher.Batcher(model, rows=6, max_prompt=30, max_new_tokens=10, stop_ids=[7], pad_id=0)
-    for a in b.run(ps):
-        ref = hf_greedy(model, ps[a.index], 10)
-        assert a.ids == ps[a.index] + (ref[: ref.index(7) + 1] if 7 in ref else ref)
-
-
 # ---------------------------------------------------------------- the CLI
 
 def test_cli_prepare_store_and_train(tiny_dir, tmp_path, capsys):

@@ -71,9 +71,6 @@ def add_prepare(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--batch-size", type=int, default=64, help="prompts in flight at once")
-    p.add_argument("--batching", choices=["continuous", "static"], default="continuous",
-                   help="continuous: a finished row takes the next prompt at once (default); static: model.generate "
-                        "on length-sorted batches (used anyway for targets with sliding-window layers)")
     p.add_argument("--shard-size", type=int, default=256, help="prompts per shard (the unit of resumption)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-chat", action="store_true", help="tokenize prompts as raw text, no chat template")
@@ -206,7 +203,7 @@ def prepare_dir_cmd(args, sources, layer_ids, part) -> int:
     s = prepare(target, kept, args.out, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                 batch_size=args.batch_size, shard_size=args.shard_size, seed=args.seed,
                 feature_layer_ids=layer_ids if args.features else None, chat=not args.no_chat, sources=names,
-                topk=args.topk, batching=args.batching, part=part, dev=dev)
+                topk=args.topk, part=part, dev=dev)
     rate = (f", {s['tokens_per_s']:.1f} generated tok/s over {s['seconds']:.0f} s this run"
             if s["generated_tokens_this_run"] else "")
     print(f"flashdraft: {s['sequences']} sequences ({s['unfinished']} cut at --max-new-tokens), {s['tokens']} tokens "
@@ -225,7 +222,7 @@ def prepare_store_cmd(args, sources, part) -> int:
     target = load_prepare_target(args)
     s = prepare_store(target, srcs, args.out, max_samples=args.max_samples, max_prompt_tokens=args.max_prompt_tokens,
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, batch_size=args.batch_size,
-                      shard_size=args.shard_size, seed=args.seed, chat=not args.no_chat, batching=args.batching,
+                      shard_size=args.shard_size, seed=args.seed, chat=not args.no_chat,
                       part=part, cap_mib=args.store_cap_mib)
     print(f"flashdraft: {describe(s, Path(args.out), args.store_cap_mib)}", file=sys.stderr)
     return 0

@@ -15,7 +15,7 @@ request at a time on that request's own cache (target.forward), exactly as the t
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from transformers import PreTrainedModel
@@ -356,11 +356,11 @@ def generate_ids(model: PreTrainedModel, drafter: torch.nn.Module | None, prompt
         (_, cycle), = dec.step()
 
 
-def decode_batch(model: PreTrainedModel, drafter: DFlashDrafter | None, prompts: list[list[int]],
-                 settings: DecodeSettings | list[DecodeSettings] | None = None, *, adaptive: bool = True,
-                 max_batch: int | None = None, **overrides) -> list[GenerationResult]:
-    """Decode several prompts together (continuous batching, at most max_batch at a time) → one result per prompt,
-    in order. settings: one DecodeSettings for all, or one per prompt; keyword overrides apply to all."""
+def decode_stream(model: PreTrainedModel, drafter: DFlashDrafter | None, prompts: list[list[int]],
+                  settings: DecodeSettings | list[DecodeSettings] | None = None, *, adaptive: bool = True,
+                  max_batch: int | None = None, **overrides) -> Iterator[tuple[int, GenerationResult]]:
+    """(prompt index, result) as each prompt finishes: continuous batching, at most max_batch at a time, prompts
+    taken in list order. settings: one DecodeSettings for all, or one per prompt; keyword overrides apply to all."""
     per = settings if isinstance(settings, list) else [settings] * len(prompts)
     if len(per) != len(prompts):
         raise FlashdraftError(f"{len(per)} settings for {len(prompts)} prompts; give one, or one per prompt")
@@ -369,12 +369,23 @@ def decode_batch(model: PreTrainedModel, drafter: DFlashDrafter | None, prompts:
     dec = Decoder(model, drafter, settings_from(per[0] if per else None, **overrides), adaptive,
                   slots=min(max_batch or len(prompts), len(prompts)) or 1)
     limit = min(max_batch or len(prompts), dec.capacity or len(prompts))
-    requests, waiting = [], list(range(len(prompts)))
+    waiting = list(range(len(prompts)))[::-1]  # pop() takes the next
     while waiting or dec.busy:
         while waiting and len(dec.active) + len(dec.joining) < limit:
-            i = waiting.pop(0)
-            requests.append(dec.join(prompts[i], settings_from(per[i], **overrides), key=i)[0])
+            i = waiting.pop()
+            q, _ = dec.join(prompts[i], settings_from(per[i], **overrides), key=i)
+            if q.done:  # done at its first token
+                yield i, dec.result(q)
         for q, _ in dec.step():
             if q.error is not None:  # every prompt was asked for: one that fails fails the call
                 raise q.error
-    return [dec.result(q) for q in sorted(requests, key=lambda q: q.key)]
+            if q.done:
+                yield q.key, dec.result(q)
+
+
+def decode_batch(model: PreTrainedModel, drafter: DFlashDrafter | None, prompts: list[list[int]],
+                 settings: DecodeSettings | list[DecodeSettings] | None = None, *, adaptive: bool = True,
+                 max_batch: int | None = None, **overrides) -> list[GenerationResult]:
+    """Decode several prompts together (decode_stream) → one result per prompt, in order."""
+    done = dict(decode_stream(model, drafter, prompts, settings, adaptive=adaptive, max_batch=max_batch, **overrides))
+    return [done[i] for i in range(len(prompts))]

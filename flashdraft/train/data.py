@@ -34,7 +34,6 @@ from .. import target as T
 from ..atomic import atomic_dir, write_text
 from ..errors import FlashdraftError
 from ..jsonl import read_records
-from .batcher import Answer, Batcher
 from .prompts import PROMPT_KEYS, Conversation, encode_prompt, first_turn
 
 DATA_FORMAT = "flashdraft-data-v1"
@@ -129,15 +128,7 @@ def interleave(lists: list[list]) -> list:
 
 # ---------------------------------------------------------------- generation
 
-def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token lists → ids [b, L] and attention mask [b, L], padded on the left."""
-    L = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), L), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, L - len(s):] = torch.tensor(s, dtype=torch.long)
-        mask[i, L - len(s):] = 1
-    return ids, mask
+PASS_TOKENS = 8192  # padded positions per teacher-forced forward (features, top-k): bounds its activations
 
 
 def right_pad(seqs: list[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,26 +142,18 @@ def right_pad(seqs: list[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor, 
     return ids, mask
 
 
-def cut_at_stop(tokens: list[int], stop_ids: set[int]) -> tuple[list[int], bool]:
-    """Keep tokens up to and including the first stop token; returns (tokens, finished)."""
-    for i, t in enumerate(tokens):
-        if t in stop_ids:
-            return tokens[: i + 1], True
-    return tokens, False
-
-
-@torch.inference_mode()
-def generate_responses(model, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
-                       stop_ids: list[int], pad_id: int, seed: int) -> list[tuple[list[int], bool]]:
-    """Batched `model.generate` (left padding); each response cut after its first stop token."""
-    ids, mask = left_pad(prompts, pad_id)
-    dev = next(model.parameters()).device
-    torch.manual_seed(seed)
-    kw = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(do_sample=False)
-    out = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=max_new_tokens,
-                         min_new_tokens=0, eos_token_id=stop_ids or None, pad_token_id=pad_id, **kw)
-    stops = set(stop_ids)
-    return [cut_at_stop(row.tolist(), stops) for row in out[:, ids.shape[1]:].cpu()]
+def pass_groups(lengths: list[int], budget: int = PASS_TOKENS) -> list[list[int]]:
+    """Runs of consecutive sequences whose right-padded forward stays within `budget` positions (one at least)."""
+    groups: list[list[int]] = []
+    top = 0
+    for k, n in enumerate(lengths):
+        if groups and (len(groups[-1]) + 1) * max(top, n) <= budget:
+            groups[-1].append(k)
+            top = max(top, n)
+        else:
+            groups.append([k])
+            top = n
+    return groups
 
 
 @torch.inference_mode()
@@ -181,70 +164,66 @@ def sequence_features(model, seqs: list[torch.Tensor], layer_ids: list[int]) -> 
 
 @torch.inference_mode()
 def target_passes(model, seqs: list[torch.Tensor], layer_ids: list[int] | None, topk: int):
-    """One full forward per batch: (features [n_i, F] or None, (top-k ids, log-probs) [n_i, K] or None) per sequence.
-
-    Top-k row t is the distribution that predicted token t (row 0 is zero).
-    """
-    ids, mask = right_pad(seqs)
+    """Teacher-forced forwards over whole sequences: (features [n_i, F] or None, (top-k ids, log-probs) [n_i, K] or
+    None) per sequence, in order. Top-k row t is the distribution that predicted token t (row 0 is zero)."""
     dev = next(model.parameters()).device
-    out = model(input_ids=ids.to(dev), attention_mask=mask.to(dev), output_hidden_states=bool(layer_ids),
-                logits_to_keep=0 if topk else 1)
-    feats = torch.cat([out.hidden_states[i + 1] for i in layer_ids], -1) if layer_ids else None  # [b, L, F]
-    res = []
-    for i, s in enumerate(seqs):
-        f = feats[i, : len(s)].to(torch.bfloat16).cpu() if feats is not None else None
-        tk = None
-        if topk:
-            vals, idx = torch.log_softmax(out.logits[i, : len(s) - 1].float(), -1).topk(topk, -1)
-            tk = (torch.cat([idx.new_zeros(1, topk), idx]).to(torch.int32).cpu(),
-                  torch.cat([vals.new_zeros(1, topk), vals.clamp_min(-60)]).to(torch.float16).cpu())
-        res.append((f, tk))
+    # every position's logits are kept for top-k ([b, L, vocab]): smaller groups
+    budget = PASS_TOKENS // 4 if topk else PASS_TOKENS
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    res: list = [None] * len(seqs)
+    for group in pass_groups([len(seqs[i]) for i in order], budget):
+        idx = [order[k] for k in group]
+        ids, mask = right_pad([seqs[i] for i in idx])
+        out = model(input_ids=ids.to(dev), attention_mask=mask.to(dev), output_hidden_states=bool(layer_ids),
+                    logits_to_keep=0 if topk else 1)
+        feats = torch.cat([out.hidden_states[i + 1] for i in layer_ids], -1) if layer_ids else None  # [b, L, F]
+        for j, i in enumerate(idx):
+            n = len(seqs[i])
+            f = feats[j, :n].to(torch.bfloat16).cpu() if feats is not None else None
+            tk = None
+            if topk:
+                vals, top = torch.log_softmax(out.logits[j, : n - 1].float(), -1).topk(topk, -1)
+                tk = (torch.cat([top.new_zeros(1, topk), top]).to(torch.int32).cpu(),
+                      torch.cat([vals.new_zeros(1, topk), vals.clamp_min(-60)]).to(torch.float16).cpu())
+            res[i] = (f, tk)
     return res
 
 
-def full_attention_only(model) -> bool:
-    """Whether every layer attends to the whole past (the slot cache of continuous batching assumes it)."""
-    types = getattr(model.config.get_text_config(), "layer_types", None) or []
-    return all(t == "full_attention" for t in types)
+def answer_prompts(model, enc: list[list[int]], order: list[int], *, rows: int, max_new_tokens: int,
+                   temperature: float, stop_ids: list[int], seed: int, layer_ids: list[int] | None,
+                   topk: int) -> Iterator[tuple[int, Sequence]]:
+    """(prompt index, its Sequence) as answers finish: the target's own plain decoding through the batched decoder
+    (at most `rows` in flight, prompts taken in `order`); features and top-k, when asked for, from one teacher-forced
+    forward per `rows` finished answers."""
+    from ..decoding import DecodeSettings, decode_stream
+
+    stops = tuple(stop_ids)
+    # each prompt its own sampler seed, so its answer does not depend on which prompts share its batch
+    settings = [DecodeSettings(block_size=1, lookup=False, max_new_tokens=max_new_tokens, temperature=temperature,
+                               seed=seed * 1_000_003 + k, stop_token_ids=stops) for k in order]
+    done: list[tuple[int, Sequence]] = []
+    for i, r in decode_stream(model, None, [enc[k] for k in order], settings, adaptive=False, max_batch=rows):
+        k = order[i]
+        ids = torch.tensor(enc[k] + r.output_ids, dtype=torch.long)
+        mask = torch.arange(len(ids)) >= len(enc[k])
+        done.append((k, Sequence(ids, mask, finished=bool(r.output_ids) and r.output_ids[-1] in stops)))
+        if not (layer_ids or topk):
+            yield done.pop()
+        elif len(done) == rows:
+            yield from with_passes(model, done, layer_ids, topk)
+            done = []
+    if done:
+        yield from with_passes(model, done, layer_ids, topk)
 
 
-def answer_continuous(model, enc: list[list[int]], order: list[int], *, rows: int, max_new_tokens: int,
-                      temperature: float, stop_ids: list[int], pad_id: int, seed: int, layer_ids: list[int] | None,
-                      topk: int):
-    """Answers in completion order from the continuous batcher, prompts admitted in `order`."""
-    if not enc:
-        return
-    b = Batcher(model, rows=rows, max_prompt=max(map(len, enc)), max_new_tokens=max_new_tokens, stop_ids=stop_ids,
-                pad_id=pad_id, temperature=temperature, seed=seed, layer_ids=layer_ids, topk=topk)
-    yield from b.run(enc, order=order)
-
-
-def answer_static(model, enc: list[list[int]], order: list[int], *, rows: int, max_new_tokens: int,
-                  temperature: float, stop_ids: list[int], pad_id: int, seed: int, layer_ids: list[int] | None,
-                  topk: int):
-    """Answers from `model.generate` on consecutive batches of `order` (length-sorted: little padding), then one
-    full forward for features and top-k."""
-    for b0 in range(0, len(order), rows):
-        idx = order[b0:b0 + rows]
-        resps = generate_responses(model, [enc[j] for j in idx], max_new_tokens=max_new_tokens,
-                                   temperature=temperature, stop_ids=stop_ids, pad_id=pad_id, seed=seed + b0)
-        full = [torch.tensor(enc[j] + r, dtype=torch.long) for j, (r, _) in zip(idx, resps)]
-        extra = target_passes(model, full, layer_ids, topk) if layer_ids or topk else [(None, None)] * len(full)
-        for j, (r, fin), ids, (f, tk) in zip(idx, resps, full, extra):
-            yield Answer(j, ids.tolist(), len(enc[j]), fin, f, *(t[len(enc[j]):] for t in tk) if tk else (None, None))
-
-
-def sequence_of(a) -> Sequence:
-    """A stored training sequence from a batcher Answer (top-k rows aligned to tokens, zero on the prompt)."""
-    ids = torch.tensor(a.ids, dtype=torch.long)
-    lm = torch.zeros(len(ids), dtype=torch.bool)
-    lm[a.prompt_len:] = True
-    tk_ids = tk_lp = None
-    if a.topk_ids is not None:
-        k = a.topk_ids.shape[-1]
-        tk_ids = torch.cat([torch.zeros(a.prompt_len, k, dtype=torch.int32), a.topk_ids])
-        tk_lp = torch.cat([torch.zeros(a.prompt_len, k, dtype=torch.float16), a.topk_logprobs])
-    return Sequence(ids, lm, a.features, a.finished, tk_ids, tk_lp)
+def with_passes(model, answers: list[tuple[int, Sequence]], layer_ids: list[int] | None,
+                topk: int) -> list[tuple[int, Sequence]]:
+    """The answers with their features and top-k rows (zero on the prompt) filled in."""
+    for (_, s), (f, tk) in zip(answers, target_passes(model, [s.input_ids for _, s in answers], layer_ids, topk)):
+        s.features = f
+        if tk is not None:
+            s.topk_ids, s.topk_logprobs = (t.masked_fill(~s.loss_mask[:, None], 0) for t in tk)
+    return answers
 
 
 # ---------------------------------------------------------------- shards
@@ -374,12 +353,11 @@ def prepare(target, prompts: list[Conversation], out_dir: str | Path, *, max_new
             temperature: float = 0.0, batch_size: int = 16, shard_size: int = 256, seed: int = 0,
             feature_layer_ids: list[int] | None = None, chat: bool = True, sources: list[str] | None = None,
             progress: bool = True, topk: int = 0,
-            batching: str = "continuous", part: tuple[int, int] = (0, 1),
+            part: tuple[int, int] = (0, 1),
             dev: list[str] | None = None) -> dict:
     """Generate target responses for prompts into sharded token files under out_dir; returns a summary dict.
 
-    batch_size is the number of prompts in flight; `continuous` batching refills finished rows at once, `static`
-    is `model.generate` on length-sorted batches (the fallback for targets with sliding-window layers).
+    batch_size is the number of prompts in flight (the batched decoder: a finished row takes the next prompt at once).
     part=(i, n) makes only shards with index % n == i, so n processes can share one output directory.
     dev: held-out prompts written to OUT/dev.jsonl (see split_dev).
     """
@@ -402,10 +380,8 @@ def prepare(target, prompts: list[Conversation], out_dir: str | Path, *, max_new
     if feature_layer_ids:  # finished shards made without features (not other parts' shards still to come)
         done = [i for i in range(n_shards) if i not in todo and (shard_dir(out, i) / "tokens.safetensors").is_file()]
         add_features(model, out, done, prompts, shard_size, feature_layer_ids, batch_size, progress)
-    if batching == "continuous" and not full_attention_only(model):
-        batching = "static"
     t0 = time.perf_counter()
-    new_tokens = fill_shards(target, out, chunks, todo, shard_size=shard_size, batching=batching, rows=batch_size,
+    new_tokens = fill_shards(target, out, chunks, todo, shard_size=shard_size, rows=batch_size,
                              max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, chat=chat,
                              layer_ids=feature_layer_ids, topk=topk, progress=progress)
     return data_stats(out, time.perf_counter() - t0, new_tokens)
@@ -461,7 +437,7 @@ def check_context(model, enc: list[list[int]], index: list[int], max_new_tokens:
 
 
 def fill_shards(target, out: Path, chunks: dict[int, list[Conversation]], todo: list[int], *, shard_size: int,
-                batching: str, rows: int, max_new_tokens: int, temperature: float, seed: int, chat: bool,
+                rows: int, max_new_tokens: int, temperature: float, seed: int, chat: bool,
                 layer_ids: list[int] | None, topk: int, progress: bool) -> int:
     """Answer the prompts of the shards in `todo` and write each shard as it completes; returns new tokens."""
     from tqdm import tqdm
@@ -473,7 +449,7 @@ def fill_shards(target, out: Path, chunks: dict[int, list[Conversation]], todo: 
     bar = tqdm(total=mine, initial=mine - sum(map(len, enc)), unit="seq", disable=not progress, dynamic_ncols=True,
                desc="prepare", smoothing=0.05)
     new_tokens = 0
-    for k, seqs in answer_chunks(target, enc, batching=batching, rows=rows, max_new_tokens=max_new_tokens,
+    for k, seqs in answer_chunks(target, enc, rows=rows, max_new_tokens=max_new_tokens,
                                  temperature=temperature, seed=seed, layer_ids=layer_ids, topk=topk, bar=bar):
         write_shard(shard_dir(out, todo[k]), seqs, chunks[todo[k]])
         new_tokens += sum(int(s.loss_mask.sum()) for s in seqs)
@@ -481,13 +457,10 @@ def fill_shards(target, out: Path, chunks: dict[int, list[Conversation]], todo: 
     return new_tokens
 
 
-def answer_chunks(target, enc: list[list[list[int]]], *, batching: str, rows: int, max_new_tokens: int,
+def answer_chunks(target, enc: list[list[list[int]]], *, rows: int, max_new_tokens: int,
                   temperature: float, seed: int, layer_ids: list[int] | None, topk: int,
                   bar) -> Iterator[tuple[int, list[Sequence]]]:
     """(chunk position, its sequences) as each chunk of encoded prompts is answered; one stream over all chunks."""
-    stop_ids = target.stop_token_ids()
-    pad_id = target.tokenizer.pad_token_id
-    pad_id = pad_id if pad_id is not None else (stop_ids[0] if stop_ids else 0)
     # One stream over every chunk, each chunk's prompts shortest first: rows of the next chunk start while the last
     # long answers of the previous one finish, so the batch never drains between shards.
     flat = [e for c in enc for e in c]
@@ -496,13 +469,13 @@ def answer_chunks(target, enc: list[list[list[int]]], *, batching: str, rows: in
     seqs: dict[int, list[Sequence | None]] = {i: [None] * len(c) for i, c in enumerate(enc)}
     left = {i: len(c) for i, c in enumerate(enc)}
     new_tokens, done, t0 = 0, 0, time.perf_counter()
-    answer = answer_static if batching == "static" else answer_continuous
-    for a in answer(target.model, flat, order, rows=rows, max_new_tokens=max_new_tokens, temperature=temperature,
-                    stop_ids=stop_ids, pad_id=pad_id, seed=seed * 1_000_003, layer_ids=layer_ids, topk=topk):
-        i, j = where[a.index]
-        seqs[i][j] = sequence_of(a)
+    for k, seq in answer_prompts(target.model, flat, order, rows=rows, max_new_tokens=max_new_tokens,
+                                 temperature=temperature, stop_ids=target.stop_token_ids(), seed=seed,
+                                 layer_ids=layer_ids, topk=topk):
+        i, j = where[k]
+        seqs[i][j] = seq
         left[i] -= 1
-        new_tokens += len(a.ids) - a.prompt_len
+        new_tokens += int(seq.loss_mask.sum())
         bar.update(1)
         bar.set_postfix_str(f"{new_tokens / (time.perf_counter() - t0):.0f} tok/s, "
                             f"{done + (not left[i])}/{len(enc)} shards of this run")

@@ -38,7 +38,7 @@ from .. import target as T
 from ..atomic import write_bytes, write_text
 from ..errors import FlashdraftError
 from .data import (Sequence, answer_chunks, check_alike, check_prepare_settings, data_dirs, dev_jsonl,
-                   full_attention_only, human_bytes, interleave, load_sequences, read_meta)
+                   human_bytes, interleave, load_sequences, read_meta)
 from .prompts import Conversation, encode_prompt, prompt_key
 
 STORE_FORMAT = "flashdraft-tokens-v1"
@@ -361,7 +361,7 @@ def shard_chunks(todo: list[Todo], sources: list[Source], shard_size: int, part:
 def prepare_store(target, sources: list[Source], store: str | Path, *, max_samples: int | None = None,
                   max_prompt_tokens: int | None = None, max_new_tokens: int = 256, temperature: float = 0.0,
                   batch_size: int = 16, shard_size: int = 256, seed: int = 0, chat: bool = True,
-                  batching: str = "continuous", part: tuple[int, int] = (0, 1), cap_mib: float = CAP_MIB,
+                  part: tuple[int, int] = (0, 1), cap_mib: float = CAP_MIB,
                   progress: bool = True, log: Callable[[str], None] | None = None) -> dict:
     """Answer the sources' prompts not yet in the store (same target checksum and settings) and append them as
     shards; returns store_summary() plus this run's generated tokens, seconds and rate."""
@@ -388,11 +388,10 @@ def prepare_store(target, sources: list[Source], store: str | Path, *, max_sampl
         + (f"; dropped {dropped} longer than {limit} prompt tokens" if dropped else ""))
     info = {"target": target.name, "target_sha256": sha, "settings": settings,
             "device": next(model.parameters()).device.type}
-    batching = batching if full_attention_only(model) else "static"
     bar = tqdm(total=sum(map(len, chunks)), unit="seq", disable=not progress, dynamic_ncols=True, desc="prepare",
                smoothing=0.05)
     t0, new_tokens = time.perf_counter(), 0
-    for k, seqs in answer_chunks(target, [[t.ids for t in c] for c in chunks], batching=batching, rows=batch_size,
+    for k, seqs in answer_chunks(target, [[t.ids for t in c] for c in chunks], rows=batch_size,
                                  max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, layer_ids=None,
                                  topk=0, bar=bar):
         append_shard(store, chunks[k][0].source, seqs, chunks[k], info, T.vocab_size(model), cap)
