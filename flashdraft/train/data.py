@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from .. import target as T
 from ..atomic import atomic_dir, write_text
+from ..decoding import DecodeSettings, decode_stream
 from ..errors import FlashdraftError
 from ..jsonl import read_records
 from .prompts import PROMPT_KEYS, Conversation, encode_prompt, first_turn
@@ -195,8 +196,6 @@ def answer_prompts(model, enc: list[list[int]], order: list[int], *, rows: int, 
     """(prompt index, its Sequence) as answers finish: the target's own plain decoding through the batched decoder
     (at most `rows` in flight, prompts taken in `order`); features and top-k, when asked for, from one teacher-forced
     forward per `rows` finished answers."""
-    from ..decoding import DecodeSettings, decode_stream
-
     stops = tuple(stop_ids)
     # each prompt its own sampler seed, so its answer does not depend on which prompts share its batch
     settings = [DecodeSettings(block_size=1, lookup=False, max_new_tokens=max_new_tokens, temperature=temperature,
