@@ -8,8 +8,8 @@ import importlib
 from .settings import DEFAULT_TREE, DecodeSettings, add_decode_arguments, settings_from, settings_from_args
 
 _LAZY = {"Decoder": "decoder", "decode_batch": "decoder", "decode_stream": "decoder", "generate_ids": "decoder",
-         "Proposal": "proposers", "Proposer": "proposers", "Cycle": "request", "GenerationResult": "request", "Request": "request",
-         "Timing": "request", "mean_acceptance": "request"}
+         "Proposal": "proposers", "Proposer": "proposers", "Cycle": "request", "GenerationResult": "request",
+         "Request": "request", "Timing": "request", "mean_acceptance": "request"}
 
 __all__ = ["DEFAULT_TREE", "DecodeSettings", "add_decode_arguments", "settings_from", "settings_from_args", *_LAZY]
 
