@@ -23,6 +23,7 @@ from transformers import PreTrainedModel
 from .. import target as T
 from ..drafter import DFlashDrafter, draft_hidden, draft_hidden_batch, proposal_logits
 from ..errors import FlashdraftError
+from ..heap import trim_heap
 from ..target_batch import BatchCache, forward_batch, supports_batch
 from .adaptive import AdaptivePolicy, FixedPolicy, Row
 from .loop import accept, pick
@@ -157,6 +158,7 @@ class Decoder:
         """One cycle for every active request; finished ones leave the batch (still reported here). A row that raises
         in its own part of the cycle (its drafts, its acceptance) gets `error` set and leaves with an empty Cycle;
         the others go on. What fails in the shared passes (drafter, verify) raises."""
+        trim_heap()  # batch-shaped buffers fragment glibc's heap: RSS would grow for as long as the loop runs
         rows = self.active
         if not rows:
             return self.prefill_next()
