@@ -85,6 +85,17 @@ def test_non_finite_or_out_of_range_numbers_get_400_naming_the_field(served, mon
     assert submitted == []
 
 
+@pytest.mark.parametrize("prompt", ["\u0088", ["\n\t"]])
+def test_a_prompt_that_tokenizes_to_nothing_gets_400(served, monkeypatch, prompt):
+    """Text the tokenizer drops entirely (schemathesis found "\u0088") is a client error, not a failed decode."""
+    client, scheduler = served
+    submitted = []
+    monkeypatch.setattr(scheduler.worker, "submit", submitted.append)
+    status, body = completion(client, prompt=prompt)
+    assert status == 400 and body["error"]["param"] == "prompt" and "empty" in body["error"]["message"], body
+    assert submitted == []
+
+
 def test_the_repro_infinite_temperature_beside_a_normal_request(served):
     """Issue 43's repro: "temperature": 1e309 next to a normal request. The first gets a 400, the second its answer."""
     client, _ = served
@@ -283,7 +294,7 @@ def test_the_admission_bound_counts_only_live_jobs():
         assert e.value.status == 429
         a.abort("client")  # its handler has not finished it yet: the worker drops it at the next boundary
         b.state = "ended"  # the worker ended it (done, failed or timed out), its handler has not read it yet
-        c, d = sch.submit(gen, False), sch.submit(gen, False)
+        sch.submit(gen, False), sch.submit(gen, False)  # two more fit: a and b no longer count
         assert sch.queued == 2 and sch.live == 2 and len(sch.admitted) == 4
 
     asyncio.run(run())
@@ -317,8 +328,10 @@ def test_served_requests_leave_nothing_behind(served):
     tracemalloc.start()
     try:
         run(60)
+        gc.collect()  # a job and its request refer to each other: count what is live, not what the collector owes
         before = tracemalloc.get_traced_memory()[0]
         run(60)
+        gc.collect()
         grew = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()

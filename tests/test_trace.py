@@ -10,7 +10,6 @@ import shutil
 import tempfile
 from functools import lru_cache
 from html.parser import HTMLParser
-from pathlib import Path
 
 import pytest
 

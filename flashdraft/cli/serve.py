@@ -8,6 +8,7 @@ import os
 from ..decoding.settings import PREFILL_CHUNK, add_decode_arguments
 from ..engines import check_serves, get_server
 from ..errors import FlashdraftError
+from ..heap import bound_shape_caches
 
 SERVE_EXTRA = ("fastapi", "uvicorn", "pydantic", "prometheus_client", "starlette")  # pip install 'flashdraft[serve]'
 # flags only flashdraft's own server has (attribute → flag)
@@ -116,6 +117,7 @@ def api_key(args) -> str | None:
 
 def cmd_serve(args) -> int:
     check_options(args)
+    bound_shape_caches()  # before the target loads: a server meets every prompt length and batch shape
     try:
         run = get_server(args.engine)  # the engine registry's server for --engine, imported now
     except ImportError as e:

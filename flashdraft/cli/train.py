@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from ..errors import FlashdraftError
+from ..heap import bound_shape_caches
 from ..train.config import TrainConfig
 
 
@@ -127,6 +128,7 @@ def cmd_prepare(args) -> int:
     from ..train.store import is_store
 
     set_threads(args.threads)
+    bound_shape_caches()  # before the target loads: every prompt length is a new prefill shape
     args.store = args.store or is_store(args.out)
     layer_ids, part = check_prepare_args(args)
     if args.store and (Path(args.out) / "meta.json").is_file():

@@ -88,6 +88,9 @@ class Decoder:
             q.proposer = as_proposer(propose)
         elif d is not None and s.block_size > 1 and s.loop_stages > 1:
             q.proposer = LoopProposer(self.model, d, s.sampling, q.draft_gen, s.loop_stages, s.loop_gate)
+        # trees: asked for, greedy, from the drafter, on a cache that can compact a path
+        q.trees = bool(s.tree) and s.greedy and s.block_size > 1 and q.proposer is None and d is not None \
+            and self.ragged
         q.target_cache = T.new_cache(self.model)
         self.joining.append(q)
         if self.prefill_chunk is not None and len(prompt_ids) > self.prefill_chunk:
@@ -213,7 +216,7 @@ class Decoder:
         """Each row's verify width this cycle: the policy's for greedy rows; a sampled row always verifies its whole
         block, because its random draws follow the widths and a seed must give what `generate` gives."""
         own = [self.max_width(q) for q in rows]
-        spans = [min(q.settings.block_size, q.end - q.position) if self.trees(q) else None for q in rows]
+        spans = [min(q.settings.block_size, q.end - q.position) if q.trees else None for q in rows]
         chosen = self.policy.choose([Row(q.acceptance, w, n) for q, w, n in zip(rows, own, spans)])
         return [c if q.settings.greedy else w for q, c, w in zip(rows, chosen, own)]
 
@@ -222,15 +225,9 @@ class Decoder:
         s, owed = q.settings, q.end - q.position
         if (self.drafter is None and q.proposer is None) or s.block_size <= 1 or owed <= 1:
             return 1
-        if self.trees(q):  # a tree's rows are not one path: only its depth is capped by what is owed
+        if q.trees:  # a tree's rows are not one path: only its depth is capped by what is owed
             return max(s.block_size, 1 + s.tree)
         return min(s.block_size, owed)
-
-    def trees(self, q: Request) -> bool:
-        """Whether q drafts trees: asked for, greedy, from the drafter, on a cache that can compact a path."""
-        s = q.settings
-        return bool(s.tree) and s.greedy and s.block_size > 1 and q.proposer is None and self.drafter is not None \
-            and self.ragged
 
     def propose(self, rows: list[Request], widths: list[int]) -> tuple[list[Proposal | None], int]:
         """Each row's proposal for its width; rows the drafter serves share batched passes → (proposals, rows
@@ -240,14 +237,14 @@ class Decoder:
         need: dict[int, list[int]] = {}  # drafter block size → rows
         for i, (q, w) in enumerate(zip(rows, widths)):
             start = q.position
-            b = min(q.settings.block_size, q.end - start, 1 << 30 if self.trees(q) else w)
+            b = min(q.settings.block_size, q.end - start, 1 << 30 if q.trees else w)
             if w <= 1 or b <= 1:
                 proposals[i] = no_drafts(self.device)
                 continue
             look = looks[i] = self.guarded(q, self.lookup, q, w) if q.settings.lookup else None
             if q.error is not None:
                 continue
-            if look is not None and not (q.settings.lookup == "tree" and self.trees(q)):
+            if look is not None and not (q.settings.lookup == "tree" and q.trees):
                 proposals[i] = look
             elif q.proposer is not None:
                 proposals[i] = self.guarded(q, self.own_proposal, q, start, b)
@@ -293,7 +290,7 @@ class Decoder:
         out = []
         for q, h, lg, w in zip(rows, hidden, logits, widths):
             anchor = q.tokens[-1]
-            if self.trees(q):
+            if q.trees:
                 out.append(self.guarded(q, tree_from_pass, d, h, lg, anchor, min(q.settings.tree, w - 1)))
             else:
                 out.append(self.guarded(q, chain_from_pass, d, h, lg, anchor, q.settings.sampling, q.draft_gen))
@@ -329,7 +326,7 @@ class Decoder:
 
     def result(self, q: Request) -> GenerationResult:
         """The request's record (config: the settings it ran with, and whether the policy was adaptive)."""
-        return q.result(q.settings.record(self.trees(q)) | {"adaptive": isinstance(self.policy, AdaptivePolicy)})
+        return q.result(q.settings.record(q.trees) | {"adaptive": isinstance(self.policy, AdaptivePolicy)})
 
 
 def generate_ids(model: PreTrainedModel, drafter: torch.nn.Module | None, prompt_ids: list[int],
@@ -354,7 +351,7 @@ def generate_ids(model: PreTrainedModel, drafter: torch.nn.Module | None, prompt
         if on_tokens and cycle.emitted:
             on_tokens(cycle.emitted)
         if q.done:
-            return q.result(q.settings.record(dec.trees(q)))
+            return q.result(q.settings.record(q.trees))
         (_, cycle), = dec.step()
 
 

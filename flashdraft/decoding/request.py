@@ -122,6 +122,7 @@ class Request:
     key: object = None  # the caller's handle (a prompt index, a server job)
     draft_gen: torch.Generator | None = None  # the drafter's sampler (seed + 1)
     proposer: object = None  # its own proposer (DLoop, a custom one), which drafts for it alone
+    trees: bool = False  # it drafts trees (set at join: greedy, the drafter's proposals, a cache that compacts paths)
     target_cache: DynamicCache | None = None  # its own target K/V: while prefilled, and while it decodes alone
     position: int = 0  # committed positions (in the target cache)
     prefilled: int = 0  # prompt tokens through the target so far

@@ -26,26 +26,23 @@ class EngineEntry:
     light: `--help` and argument errors load no engine)."""
 
     cls: str  # "module:Class", imported on first use
-    methods: tuple[str, str]  # bench's methods on it: (plain decoding, with a drafter)
+    plain_method: str  # bench's method for plain decoding on it
+    drafter_method: str  # and with a drafter
     serves: str | None = None  # what `flashdraft serve --engine NAME` runs, in words; None: the engine does not serve
     server: str | None = None  # "module:function" that runs that server: function(args, api_key, allowed_hosts) → exit
 
     @property
-    def plain_method(self) -> str:
-        return self.methods[0]
-
-    @property
-    def drafter_method(self) -> str:
-        return self.methods[1]
+    def methods(self) -> tuple[str, str]:
+        return self.plain_method, self.drafter_method
 
 
 ENGINES = {
-    "torch": EngineEntry("flashdraft.engines.torch:TorchEngine", ("ar", "dflash"), "flashdraft's own server",
+    "torch": EngineEntry("flashdraft.engines.torch:TorchEngine", "ar", "dflash", "flashdraft's own server",
                          "flashdraft.serve.server:run_server"),
-    "llamacpp": EngineEntry("flashdraft.engines.llamacpp:LlamaCppEngine", ("llamacpp", "llamacpp-dflash")),
-    "vllm": EngineEntry("flashdraft.engines.vllm:VllmEngine", ("vllm", "vllm-dflash"),
+    "llamacpp": EngineEntry("flashdraft.engines.llamacpp:LlamaCppEngine", "llamacpp", "llamacpp-dflash"),
+    "vllm": EngineEntry("flashdraft.engines.vllm:VllmEngine", "vllm", "vllm-dflash",
                         "vLLM's server with flashdraft's speculative config", "flashdraft.serve.vllm:run_vllm_server"),
-    "mlx": EngineEntry("flashdraft.engines.mlx:MlxEngine", ("mlx", "mlx-dflash")),
+    "mlx": EngineEntry("flashdraft.engines.mlx:MlxEngine", "mlx", "mlx-dflash"),
 }
 REFERENCE = "torch"  # the engine whose plain method (ar) is bench's reference for every other method
 

@@ -244,7 +244,10 @@ def completion_ids(prompt: str | list[int] | list[str], served: Served) -> list[
     if not prompt:
         raise ApiError(400, "the prompt is empty", param="prompt")
     if isinstance(prompt, str):
-        return replace(served.target, tokenizer=_tokenizer(served)).encode(prompt, chat=False)
+        ids = replace(served.target, tokenizer=_tokenizer(served)).encode(prompt, chat=False)
+        if not ids:  # text the tokenizer drops entirely (whitespace, control characters)
+            raise ApiError(400, "the prompt is empty once tokenized; send some text", param="prompt")
+        return ids
     bad = [i for i in prompt if not 0 <= i < served.vocab]
     if bad:
         raise ApiError(400, f"prompt token ids {bad[:5]} are outside the vocabulary 0..{served.vocab - 1}",
