@@ -10,10 +10,10 @@ rows × width a new verify shape. Two things then grow native memory for as long
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
 import time
+
+from .atomic import LIBC
 
 TRIM_EVERY_S = 5.0
 SHAPE_CACHE_CAPACITY = 64  # shapes per cache: a cycle's verify, drafter and prefill shapes, with room to spare
@@ -27,16 +27,7 @@ def bound_shape_caches(capacity: int = SHAPE_CACHE_CAPACITY) -> None:
         os.environ.setdefault(var, str(capacity))
 
 
-def glibc() -> ctypes.CDLL | None:
-    """The C library when it has malloc_trim (glibc), else None."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return None
-    return libc if hasattr(libc, "malloc_trim") else None
-
-
-LIBC = glibc()
+MALLOC_TRIM = getattr(LIBC, "malloc_trim", None) if LIBC is not None else None  # glibc only
 _last = time.monotonic()
 
 
@@ -44,8 +35,8 @@ def trim_heap(every_s: float = TRIM_EVERY_S) -> bool:
     """Return freed native memory to the OS if `every_s` seconds passed since the last trim; whether it trimmed."""
     global _last
     t = time.monotonic()
-    if LIBC is None or t - _last < every_s:
+    if MALLOC_TRIM is None or t - _last < every_s:
         return False
     _last = t
-    LIBC.malloc_trim(0)
+    MALLOC_TRIM(0)
     return True
