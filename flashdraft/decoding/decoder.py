@@ -161,7 +161,7 @@ class Decoder:
         """One cycle for every active request; finished ones leave the batch (still reported here). A row that raises
         in its own part of the cycle (its drafts, its acceptance) gets `error` set and leaves with an empty Cycle;
         the others go on. What fails in the shared passes (drafter, verify) raises."""
-        trim_heap()  # batch-shaped buffers fragment glibc's heap: RSS would grow for as long as the loop runs
+        trim_heap()  # freed batch-shaped buffers otherwise stay mapped in glibc's heap (heap.py)
         rows = self.active
         if not rows:
             return self.prefill_next()
