@@ -33,9 +33,9 @@ def test_trim_returns_fragmented_heap_to_the_os():
 
 
 def test_the_decoding_loop_trims_as_it_goes(monkeypatch):
-    from flashdraft.decoding import decode_batch
-    from flashdraft.decoding import decoder
     from helpers import tiny_target
+
+    from flashdraft.decoding import decode_batch, decoder
 
     calls = []
     monkeypatch.setattr(decoder, "trim_heap", lambda: calls.append(1))
