@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-MIN_NGRAM, MAX_NGRAM = 2, 4  # single-token matches propose too often and too wrongly; see docs/how-it-works.md, "Prompt lookup"
+# single-token matches propose too often and too wrongly (docs/how-it-works.md, "Prompt lookup")
+MIN_NGRAM, MAX_NGRAM = 2, 4
 # A recurring n-gram is often right for a long stretch, and on a CPU a verify of 8 rows costs little more than one of
 # 4 (1.25 against 1.11 decode steps on a 2-core Xeon), so a lookup cycle verifies at least this many positions even
 # when the drafter's block is smaller.

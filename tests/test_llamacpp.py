@@ -165,9 +165,10 @@ PROMPTS = ["What is 17 * 23?", "Write a Python function that reverses a string."
            "A train travels 60 km per hour for 2.5 hours. How far does it go?",
            "Give a short definition of photosynthesis.", "Write a SQL query that counts rows in a table named users.",
            "What is the capital of Australia, and why is it not Sydney?", "Sort these numbers: 42, 7, 19, 3, 88."]
-# The contract (docs/engines/llamacpp.md, "Lossless there too"): on an f32 GGUF llama.cpp's DFlash equals its own plain greedy output except
-# where its batched and one-token kernels round a close call differently: a divergence must sit where the target's
-# top-two fp32 logits are within this margin (observed up to 0.014). Quantized files promise no token identity.
+# The contract (docs/engines/llamacpp.md, "Lossless there too"): on an f32 GGUF llama.cpp's DFlash equals its own
+# plain greedy output except where its batched and one-token kernels round a close call differently: a divergence
+# must sit where the target's top-two fp32 logits are within this margin (observed up to 0.014). Quantized files
+# promise no token identity.
 NEAR_TIE = 0.02
 
 

@@ -378,7 +378,7 @@ def prepare(target, prompts: list[Conversation], out_dir: str | Path, *, max_new
     todo = [i for i, chunk in chunks.items() if not shard_done(shard_dir(out, i), chunk)]
     if feature_layer_ids:  # finished shards made without features (not other parts' shards still to come)
         done = [i for i in range(n_shards) if i not in todo and (shard_dir(out, i) / "tokens.safetensors").is_file()]
-        add_features(model, out, done, prompts, shard_size, feature_layer_ids, batch_size, progress)
+        add_features(model, out, done, prompts, shard_size, feature_layer_ids, progress)
     t0 = time.perf_counter()
     new_tokens = fill_shards(target, out, chunks, todo, shard_size=shard_size, rows=batch_size,
                              max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, chat=chat,
@@ -484,7 +484,7 @@ def answer_chunks(target, enc: list[list[list[int]]], *, rows: int, max_new_toke
 
 
 def add_features(model, out: Path, shards: list[int], prompts: list[Conversation], shard_size: int,
-                 layer_ids: list[int], batch_size: int, progress: bool = True) -> None:
+                 layer_ids: list[int], progress: bool = True) -> None:
     """Compute and store features for finished shards that lack them, from their stored tokens (no regeneration)."""
     from tqdm import tqdm
 
@@ -494,11 +494,8 @@ def add_features(model, out: Path, shards: list[int], prompts: list[Conversation
     bar = tqdm(total=len(missing), unit="shard", disable=not progress, dynamic_ncols=True, desc="features")
     for i in missing:
         seqs = read_shard(shard_dir(out, i))
-        order = sorted(range(len(seqs)), key=lambda j: len(seqs[j].input_ids))
-        for b0 in range(0, len(order), batch_size):
-            idx = order[b0:b0 + batch_size]
-            for j, f in zip(idx, sequence_features(model, [seqs[j].input_ids for j in idx], layer_ids)):
-                seqs[j].features = f
+        for s, f in zip(seqs, sequence_features(model, [s.input_ids for s in seqs], layer_ids)):  # grouped by length
+            s.features = f
         write_shard(shard_dir(out, i), seqs, prompts[i * shard_size:(i + 1) * shard_size])
         bar.update(1)
     bar.close()
