@@ -1,21 +1,26 @@
-"""Linear layers with weights pre-packed for oneDNN: the fast CPU path for decode-sized matmuls.
+"""Linear layers with weights pre-packed once: the fast CPU path for decode-sized matmuls.
 
 torch runs a float32 CPU linear through BLAS, which re-packs the whole weight on every call once more than one
 row comes in; at the 1-16 rows of a decode step or a block verify that is most of the cost, and it makes a
-verify of 8 tokens cost ~1.5 decode steps. Packing each weight once into oneDNN's blocked layout makes a step
-~1.5x faster and a verify of 8 cost about what one step does (docs/performance.md). The packed copy is taken
-at load time for inference; a call with autograd live takes the unpacked weight, and a module whose weights change
-after packing must not be packed (its copy would go stale), so only loaded, frozen models are.
+verify of 8 tokens cost ~1.5 decode steps. Packing each weight once makes a step ~1.5x faster and a verify of 8
+cost about what one step does (docs/performance.md). float32 weights go to flashdraft's own kernel
+(kernels.py: blocks of 64 columns streamed at memory speed, a row's result independent of the batch) where it
+builds, else to oneDNN's blocked layout, as bfloat16 ones do. The packed copy is taken at load time for
+inference; a call with autograd live takes the unpacked weight, and a module whose weights change after packing
+must not be packed (its copy would go stale), so only loaded, frozen models are.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .kernels import matvec_available
 
 # Rows per call the blocked layout is tuned for: covers decode steps (1) and block verifies (<= 16) alike.
 BATCH_HINT = 8
@@ -36,13 +41,29 @@ def _cpu_has_onednn_bf16() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """weight [out, in] → an opaque oneDNN tensor for `linear` (a copy: the original stays usable)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
+@dataclass(frozen=True)
+class BlockedWeight:
+    """A float32 weight [out, in] packed for torch.ops.flashdraft.matvec: blocks [ceil(out / 64), in, 64]."""
+
+    blocks: torch.Tensor
+    out_features: int
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | BlockedWeight:
+    """weight [out, in] → a packed copy for `linear` (the original stays usable): flashdraft's blocked layout for
+    float32 where the native kernel is available, else an opaque oneDNN tensor."""
+    weight = weight.detach()
+    if weight.dtype == torch.float32 and matvec_available():
+        return BlockedWeight(torch.ops.flashdraft.matvec_pack(weight.contiguous()), weight.shape[0])
+    return torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | BlockedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear for a plain or a packed weight; x [..., in] → [..., out]."""
+    if isinstance(weight, BlockedWeight):
+        out = torch.ops.flashdraft.matvec(x.reshape(-1, x.shape[-1]), weight.blocks, weight.out_features)
+        out = out.view(*x.shape[:-1], weight.out_features)
+        return out if bias is None else out + bias
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)

@@ -27,7 +27,7 @@ from flashdraft.models import load_target, resolve_target
 from flashdraft.target_batch import BatchCache, forward_batch
 
 KINDS = {
-    "linear": ("mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::bmm"),
+    "linear": ("flashdraft::matvec", "mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::bmm"),
     "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
                   "aten::_softmax"),
     "cache write": ("aten::_index_put_impl_", "aten::index_put_"),

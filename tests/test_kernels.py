@@ -1,0 +1,64 @@
+"""The native decode matmul: F.linear's numbers, a row's result independent of its batch, and a clean fallback."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flashdraft import kernels, packed
+
+# CI builds it (g++ and ninja are there): a skip would hide a machine that silently lost the fast path.
+REQUIRED = os.environ.get("FLASHDRAFT_REQUIRE_KERNEL") == "1"
+needs_kernel = pytest.mark.skipif(not REQUIRED and not kernels.matvec_available(), reason="no C++ compiler or ninja")
+
+
+def test_the_kernel_builds_where_ci_requires_it():
+    if not REQUIRED:
+        pytest.skip("FLASHDRAFT_REQUIRE_KERNEL is not set")
+    assert kernels.matvec_available()
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13, 40])
+@pytest.mark.parametrize("n_out,k", [(1, 1), (63, 7), (64, 64), (65, 200), (130, 48)])
+def test_matvec_matches_f_linear(rows, n_out, k):
+    torch.manual_seed(rows * 1000 + n_out + k)
+    w, b, x = torch.randn(n_out, k), torch.randn(n_out), torch.randn(rows, k)
+    pw = packed.pack_weight(w)
+    assert isinstance(pw, packed.BlockedWeight) and pw.blocks.shape == ((n_out + 63) // 64, k, 64)
+    torch.testing.assert_close(packed.linear(x, pw), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    got = packed.linear(x.view(1, rows, k), pw, b)  # [..., in] inputs and a bias, as the lean forward passes them
+    torch.testing.assert_close(got, F.linear(x, w, b)[None], rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
+    """Bit for bit: a verify of 7 positions computes each one exactly as a single-row decode step would."""
+    torch.manual_seed(0)
+    w = torch.randn(200, 96)
+    pw, x = packed.pack_weight(w), torch.randn(13, 96)
+    batch = packed.linear(x, pw)
+    for i in range(13):
+        assert torch.equal(packed.linear(x[i:i + 1], pw)[0], batch[i])
+    assert torch.equal(packed.linear(x[3:9], pw), batch[3:9])
+
+
+def test_kernel_off_packs_for_onednn(monkeypatch):
+    if not packed.packable("cpu", torch.float32):
+        pytest.skip("torch built without oneDNN")
+    monkeypatch.setenv("FLASHDRAFT_KERNEL", "0")
+    w, x = torch.randn(80, 48), torch.randn(3, 48)
+    pw = packed.pack_weight(w)
+    assert not isinstance(pw, packed.BlockedWeight) and pw.is_mkldnn
+    torch.testing.assert_close(packed.linear(x, pw), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_a_failed_build_falls_back_with_one_line(monkeypatch, tmp_path, capsys):
+    def no_compiler(out):
+        raise RuntimeError("Error building extension 'flashdraft_matvec'\nc++: command not found")
+    monkeypatch.setattr(kernels, "library_dir", lambda: tmp_path / "k")
+    monkeypatch.setattr(kernels, "_build", no_compiler)
+    assert kernels.load_matvec() is False
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "c++: command not found" in err[0] and "oneDNN" in err[0]
