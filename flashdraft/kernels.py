@@ -1,5 +1,6 @@
-"""The native decode matmul (csrc/matvec.cpp): built once per machine with the system C++ compiler and loaded as
-torch.ops.flashdraft.matvec / matvec_pack; without a compiler, flashdraft runs on oneDNN's packed matmul instead."""
+"""flashdraft's native CPU kernels (csrc/): the decode matmul (matvec.cpp) and the lean forward's fused glue
+(fused.cpp), built once per machine with the system C++ compiler and loaded as torch.ops.flashdraft.*; without a
+compiler, flashdraft runs on oneDNN's packed matmul and torch's own ops instead."""
 
 from __future__ import annotations
 
@@ -13,23 +14,24 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("csrc") / "matvec.cpp"
-LIBRARY = "flashdraft_matvec"
-FLAGS = ["-O3", "-march=native", "-fopenmp"]  # built on and for this machine; OpenMP runs at::parallel_for
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("matvec.cpp", "fused.cpp")]
+LIBRARY = "flashdraft_kernels"
+# Built on and for this machine; OpenMP runs at::parallel_for; no errno lets `exp` vectorise (libmvec).
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 
 
 def _machine() -> bytes:
     """What the built library depends on besides its source: torch, the compiler target, this CPU's features."""
-    flags = ""
-    if Path("/proc/cpuinfo").exists():
-        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith(("flags", "Features"))), "")
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    flags = next((ln for ln in lines if ln.startswith(("flags", "Features"))), "")
     return f"{torch.__version__}|{platform.machine()}|{flags}".encode()
 
 
 def library_dir() -> Path:
     """<flashdraft cache>/kernels/<hash of source, torch and CPU>: a new torch or machine builds afresh."""
     from .models import cache_root
-    key = hashlib.sha256(SOURCE.read_bytes() + _machine()).hexdigest()[:16]
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES) + _machine()).hexdigest()[:16]
     return cache_root() / "kernels" / key
 
 
@@ -37,27 +39,27 @@ def _build(out: Path) -> None:
     """Compile into out/build (ninja under a lock, so concurrent processes wait) and load it; then publish the
     library at out/ with one rename, so a library found there is always whole."""
     from torch.utils.cpp_extension import load
-    print("flashdraft: building the native matvec kernel for this machine (once, about 30 s)...", file=sys.stderr)
+    print("flashdraft: building the native CPU kernels for this machine (once, about 30 s)...", file=sys.stderr)
     start = time.perf_counter()
     build = out / "build"
     build.mkdir(parents=True, exist_ok=True)
-    load(LIBRARY, [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(build),
-         is_python_module=False)
+    load(LIBRARY, [str(src) for src in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+         build_directory=str(build), is_python_module=False)
     os.replace(build / f"{LIBRARY}.so", out / f"{LIBRARY}.so")
     print(f"flashdraft: built in {time.perf_counter() - start:.0f} s ({out})", file=sys.stderr)
 
 
-def matvec_available() -> bool:
-    """Whether torch.ops.flashdraft.matvec is loaded here (built on first use); FLASHDRAFT_KERNEL=0 turns it off."""
+def available() -> bool:
+    """Whether torch.ops.flashdraft.* are loaded here (built on first use); FLASHDRAFT_KERNEL=0 turns them off."""
     return os.environ.get("FLASHDRAFT_KERNEL", "1") != "0" and _loaded()
 
 
 @functools.cache
 def _loaded() -> bool:
-    return load_matvec()
+    return load_library()
 
 
-def load_matvec() -> bool:
+def load_library() -> bool:
     """Load the library from its cache directory, building it there first if absent; False (and one line on
     stderr saying why) where it cannot be built."""
     try:
@@ -70,7 +72,7 @@ def load_matvec() -> bool:
         return True
     except Exception as e:  # no compiler, no ninja, an unwritable cache: the oneDNN path still works
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        print(f"flashdraft: native matvec kernel unavailable ({reason[:200]}); using oneDNN's packed matmul, "
-              "about 1.3x slower per decode step (needs g++ and ninja; FLASHDRAFT_KERNEL=0 skips the build)",
+        print(f"flashdraft: native CPU kernels unavailable ({reason[:200]}); using oneDNN's packed matmul, "
+              "about 1.2x slower per decode step (needs g++ and ninja; FLASHDRAFT_KERNEL=0 skips the build)",
               file=sys.stderr)
         return False

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
-from . import packed
+from . import kernels, packed
 
 LEAN_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -53,6 +53,7 @@ class LeanModel:
     head_dim: int
     scaling: float
     pack: bool
+    fused: bool  # norms and SiLU·up through flashdraft's fused CPU ops (packed float32 with the kernels built)
     params: list[torch.nn.Parameter]  # the source weights (walking the module tree per forward costs ms); a
     # Parameter replaced by a new object is not seen: call target.use_lean again after such surgery
     stamp: tuple  # their storage and version when the fused copies were taken
@@ -115,10 +116,11 @@ def lean_model(model: PreTrainedModel, pack: bool = False) -> LeanModel | None:
             k_norm=a.k_norm.weight.detach() if hasattr(a, "k_norm") else None))
     a = model.model.layers[0].self_attn
     heads = cfg.num_attention_heads
+    w = model.lm_head.weight
+    fused = pack and w.device.type == "cpu" and w.dtype == torch.float32 and kernels.available()
     return LeanModel(layers, model.model.embed_tokens, model.model.rotary_emb, model.model.norm.weight.detach(),
-                     _weight(model.lm_head.weight), cfg.rms_norm_eps, heads,
-                     getattr(cfg, "num_key_value_heads", None) or heads, a.head_dim, a.scaling, pack, params,
-                     stamp(params))
+                     _weight(w), cfg.rms_norm_eps, heads, getattr(cfg, "num_key_value_heads", None) or heads,
+                     a.head_dim, a.scaling, pack, fused, params, stamp(params))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -126,6 +128,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) · up for the fused [..., 2·I] projection (gate first)."""
+    gate, up = gate_up.chunk(2, -1)
+    return F.silu(gate) * up
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -146,14 +154,16 @@ def lean_forward(lm: LeanModel, ids: torch.Tensor, pos: torch.Tensor, cache: Dyn
     hq, hk, d = lm.heads * lm.head_dim, lm.kv_heads * lm.head_dim, lm.head_dim
     causal = mask is None and w > 1
     last = len(lm.layers) - 1
+    norm = torch.ops.flashdraft.rms_norm if lm.fused else rms_norm
+    act = torch.ops.flashdraft.silu_mul if lm.fused else silu_mul
     feats: dict[int, torch.Tensor] = {}
     for i, L in enumerate(lm.layers):
-        qkv = packed.linear(rms_norm(x, L.input_norm, lm.eps), L.qkv, L.qkv_bias)
+        qkv = packed.linear(norm(x, L.input_norm, lm.eps), L.qkv, L.qkv_bias)
         q = qkv[..., :hq].view(n, w, lm.heads, d)
         k = qkv[..., hq:hq + hk].view(n, w, lm.kv_heads, d)
         v = qkv[..., hq + hk:].view(n, w, lm.kv_heads, d).transpose(1, 2)
         if L.q_norm is not None:
-            q, k = rms_norm(q, L.q_norm, lm.eps), rms_norm(k, L.k_norm, lm.eps)
+            q, k = norm(q, L.q_norm, lm.eps), norm(k, L.k_norm, lm.eps)
         q, k = rotate(q.transpose(1, 2), cos, sin), rotate(k.transpose(1, 2), cos, sin)
         keys, values = cache.layers[i].update(k, v)
         if causal and keys.shape[-2] > w:  # a block on top of a cache: causal inside the block, all before it
@@ -162,11 +172,10 @@ def lean_forward(lm: LeanModel, ids: torch.Tensor, pos: torch.Tensor, cache: Dyn
         att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, scale=lm.scaling,
                                              enable_gqa=lm.kv_heads != lm.heads)
         x = x + packed.linear(att.transpose(1, 2).reshape(n, w, hq), L.o)
-        gate, up = packed.linear(rms_norm(x, L.post_norm, lm.eps), L.gate_up).chunk(2, -1)
-        x = x + packed.linear(F.silu(gate) * up, L.down)
+        x = x + packed.linear(act(packed.linear(norm(x, L.post_norm, lm.eps), L.gate_up)), L.down)
         if i in layer_ids:
             feats[i] = x
-    x = rms_norm(x, lm.norm, lm.eps)
+    x = norm(x, lm.norm, lm.eps)
     if last in feats:  # HF's last hidden state is the normed one
         feats[last] = x
     features = torch.cat([feats[j] for j in layer_ids], -1) if layer_ids else None

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import matvec_available
+from . import kernels
 
 # Rows per call the blocked layout is tuned for: covers decode steps (1) and block verifies (<= 16) alike.
 BATCH_HINT = 8
@@ -53,7 +53,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | BlockedWeight:
     """weight [out, in] → a packed copy for `linear` (the original stays usable): flashdraft's blocked layout for
     float32 where the native kernel is available, else an opaque oneDNN tensor."""
     weight = weight.detach()
-    if weight.dtype == torch.float32 and matvec_available():
+    if weight.dtype == torch.float32 and kernels.available():
         return BlockedWeight(torch.ops.flashdraft.matvec_pack(weight.contiguous()), weight.shape[0])
     return torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
 
@@ -96,3 +96,9 @@ def pack_linears(model: nn.Module) -> int:
 def is_packed(model: nn.Module) -> bool:
     """Whether pack_linears has routed any of model's linear layers through a packed weight."""
     return any(getattr(m, "packed_weight", None) is not None for m in model.modules())
+
+
+def packed_kind(model: nn.Module) -> str | None:
+    """Which kernel runs model's packed linears: "matvec" (flashdraft's), "onednn", or None when unpacked."""
+    w = next((m.packed_weight for m in model.modules() if getattr(m, "packed_weight", None) is not None), None)
+    return None if w is None else "matvec" if isinstance(w, BlockedWeight) else "onednn"

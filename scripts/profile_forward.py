@@ -1,5 +1,6 @@
-"""Where one target forward's time goes: a plain step and a block verify at batch 1 and 8, through the Hugging Face
-forward (before lean.py) and the lean forward, in one run; optionally vLLM's plain step on the same machine.
+"""Where one target forward's time goes: a plain step and a block verify at batch 1 and 8, through the lean forward
+with its linears on oneDNN's packed matmul and on flashdraft's matvec kernel, in one run; optionally vLLM's plain
+step on the same machine.
 
     python scripts/profile_forward.py --out docs/bench/forward-profile [--vllm]
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -21,9 +23,11 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from flashdraft import lean as L
 from flashdraft import target as T
 from flashdraft.atomic import write_text
 from flashdraft.models import load_target, resolve_target
+from flashdraft.packed import packed_kind
 from flashdraft.target_batch import BatchCache, forward_batch
 
 KINDS = {
@@ -132,7 +136,13 @@ def main() -> int:
     model, lean = tgt.model, tgt.model.flashdraft_lean
     layer_ids = [1, T.num_layers(model) - 3]  # features as a two-layer drafter takes them
     results = {}
-    for name, view in (("Hugging Face forward", None), ("lean forward", lean)):
+    os.environ["FLASHDRAFT_KERNEL"] = "0"  # the same lean forward with its linears packed for oneDNN instead
+    onednn = L.lean_model(model, pack=True)
+    del os.environ["FLASHDRAFT_KERNEL"]
+    views = [("lean forward, oneDNN linears", onednn)]
+    if packed_kind(model) == "matvec":
+        views.append(("lean forward, matvec kernel", lean))
+    for name, view in views:
         model.flashdraft_lean = view
         results[name] = [measure(model, r, w, args.context, args.reps, layer_ids) for r, w in CELLS]
         print(table({name: results[name]}, None), file=sys.stderr, flush=True)

@@ -10,13 +10,13 @@ from flashdraft import kernels, packed
 
 # CI builds it (g++ and ninja are there): a skip would hide a machine that silently lost the fast path.
 REQUIRED = os.environ.get("FLASHDRAFT_REQUIRE_KERNEL") == "1"
-needs_kernel = pytest.mark.skipif(not REQUIRED and not kernels.matvec_available(), reason="no C++ compiler or ninja")
+needs_kernel = pytest.mark.skipif(not REQUIRED and not kernels.available(), reason="no C++ compiler or ninja")
 
 
 def test_the_kernel_builds_where_ci_requires_it():
     if not REQUIRED:
         pytest.skip("FLASHDRAFT_REQUIRE_KERNEL is not set")
-    assert kernels.matvec_available()
+    assert kernels.available()
 
 
 @needs_kernel
@@ -59,6 +59,20 @@ def test_a_failed_build_falls_back_with_one_line(monkeypatch, tmp_path, capsys):
         raise RuntimeError("Error building extension 'flashdraft_matvec'\nc++: command not found")
     monkeypatch.setattr(kernels, "library_dir", lambda: tmp_path / "k")
     monkeypatch.setattr(kernels, "_build", no_compiler)
-    assert kernels.load_matvec() is False
+    assert kernels.load_library() is False
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "c++: command not found" in err[0] and "oneDNN" in err[0]
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(1, 1, 48), (2, 5, 576), (3, 4, 2, 16)])
+def test_fused_rms_norm_and_silu_mul_match_torch(shape):
+    from flashdraft.lean import rms_norm, silu_mul
+    torch.manual_seed(0)
+    x, w = torch.randn(shape) * 3, torch.randn(shape[-1])
+    torch.testing.assert_close(torch.ops.flashdraft.rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.ops.flashdraft.silu_mul(x), silu_mul(x), rtol=1e-5, atol=1e-6)
+    strided = torch.randn(*shape[:-1], 2 * shape[-1])[..., ::2]  # a non-contiguous input is read correctly
+    torch.testing.assert_close(torch.ops.flashdraft.rms_norm(strided, w, 1e-5), rms_norm(strided, w, 1e-5),
+                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.ops.flashdraft.silu_mul(strided), silu_mul(strided), rtol=1e-5, atol=1e-6)

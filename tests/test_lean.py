@@ -23,6 +23,10 @@ def tiny_qwen2() -> torch.nn.Module:
                 p.bias.normal_(0, 0.5)
     return model
 
+# The fused RMSNorm (csrc/fused.cpp) sums its squares in another order than torch's mean: a few float32 ulps per
+# norm, which 8 norms deep in a random tiny model reach 2.5e-5 on a hidden state (the logits stay within 1e-5).
+FEATURE_ATOL = 5e-5
+
 
 def pair(kind: str, packed: bool) -> tuple[torch.nn.Module, torch.nn.Module]:
     """The same weights twice: decoding through HF and through lean.py."""
@@ -54,7 +58,7 @@ def test_single_sequence_prefill_verify_and_tree_equal_hf(kind, packed):
         outs += [T.forward(m, block[:4], 37, c, layer_ids, parents=parents) for m, c in zip((hf, fast), caches)]
         for a, b in zip(outs[::2], outs[1::2]):
             torch.testing.assert_close(b.logits, a.logits, rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(b.features, a.features, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(b.features, a.features, rtol=1e-5, atol=FEATURE_ATOL)
             assert torch.equal(a.logits.argmax(-1), b.logits.argmax(-1))
 
 
@@ -72,7 +76,7 @@ def test_ragged_batch_verify_equals_hf(kind):
         outs.append(forward_batch(m, [[3, 4, 5, 6], [7], [8, 9, 10]], [None, None, [-1, -1]], cache, [1, 2]))
     for a, b in zip(*outs):
         torch.testing.assert_close(b.logits, a.logits, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(b.features, a.features, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(b.features, a.features, rtol=1e-5, atol=FEATURE_ATOL)
 
 
 def test_unsupported_targets_keep_the_hf_forward():

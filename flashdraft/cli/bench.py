@@ -150,12 +150,14 @@ def run_config(args, target, device: str, uses_llamacpp: bool, uses_vllm: bool =
     """The settings a results directory is tied to (resuming with others is refused)."""
     from ..engines.vllm import require_vllm
     from ..llamacpp.build import LLAMACPP_VERSION
-    from ..packed import is_packed
+    from ..packed import is_packed, packed_kind
 
     config = {"target": target.name, "dtype": args.dtype, "device": device, "chat": not args.no_chat,
               "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
               "top_k": args.top_k, "seed": args.seed, "lookup_tokens": args.lookup_tokens,
               "packed_linears": is_packed(target.model)}
+    if config["packed_linears"]:  # which kernel ran them (kept out when unpacked, so older results still resume)
+        config["linear_kernel"] = packed_kind(target.model)
     if args.stop_token_ids is not None:  # only when given, so runs with the target's own stop ids keep their config
         config["stop_token_ids"] = stop_ids(args, target)
     if uses_llamacpp:
