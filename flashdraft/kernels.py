@@ -39,6 +39,11 @@ def _build(out: Path) -> None:
     """Compile into out/build (ninja under a lock, so concurrent processes wait) and load it; then publish the
     library at out/ with one rename, so a library found there is always whole."""
     from torch.utils.cpp_extension import load
+    try:  # the ninja package's binary: `make` runs .venv/bin/python without the venv's bin on PATH
+        import ninja
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
     print("flashdraft: building the native CPU kernels for this machine (once, about 30 s)...", file=sys.stderr)
     start = time.perf_counter()
     build = out / "build"

@@ -6,7 +6,8 @@ model's own weights: q/k/v and gate/up fused into one (packed) matmul each, RoPE
 K/V written through the cache layer's own `update` (so GrowingLayer / RaggedLayer rollback and compaction are
 untouched), grouped-query SDPA under the caller's mask, and features taken as they pass. Every elementwise step
 repeats transformers' order of operations (RMSNorm in float32, rotate_half RoPE), so outputs equal the HF forward's
-up to the matmul blocking (tests/test_lean.py holds logits and features to float32 tolerance and greedy tokens equal).
+up to the matmul blocking and, where the native kernels run the norms, their sum order (tests/test_lean.py holds
+logits and features to float32 tolerance and greedy tokens equal).
 Targets it does not know run through Hugging Face (`lean_model` returns None).
 """
 

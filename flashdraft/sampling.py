@@ -18,6 +18,7 @@ def process(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         sorted_p, order = probs.sort(-1, descending=True)
         # keep the smallest prefix whose mass reaches top_p (the top token is always kept)
         drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        drop_sorted[..., 0] = False  # explicitly: a top_p below float32's range (5e-324) rounds to 0 and would drop it
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)

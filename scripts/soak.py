@@ -18,7 +18,8 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from flashdraft.atomic import write_text
-from flashdraft.bench.load import served_model, start_server, stop_server, stream_chat
+from flashdraft.bench.load import served_model, stop_server, stream_chat, wait_healthy
+from flashdraft.serve import free_port
 from flashdraft.models import DEFAULT_TARGET, resolve_target
 
 
@@ -54,7 +55,14 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = resolve_target(DEFAULT_TARGET)  # the converted target directory holds its tokenizer
-    proc, url = start_server(args.serve_args.split(), "adaptive")
+    port = free_port()  # the server's log goes to out/server.log, so a failed request can be traced
+    log = open(out / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "flashdraft.cli", "serve", "--port", str(port),
+                             *args.serve_args.split()], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    if not wait_healthy(url, proc, time.monotonic() + 600):
+        proc.kill()
+        raise SystemExit(f"the server did not start: see {out / 'server.log'}")
     samples: list[tuple[float, float]] = []
     stop = threading.Event()
 
@@ -98,6 +106,7 @@ def main() -> int:
     finally:
         stop.set()
         stop_server(proc)
+        log.close()
 
 
 if __name__ == "__main__":

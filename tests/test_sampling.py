@@ -29,6 +29,8 @@ def test_process_top_k_top_p():
     torch.testing.assert_close(p, torch.tensor([0.5, 0.2, 0.15, 0, 0]) / 0.85)
     p = process(logits, SamplingParams(1.0, top_p=0.01))  # the top token always survives
     torch.testing.assert_close(p, torch.tensor([1.0, 0, 0, 0, 0]))
+    p = process(logits[None].repeat(2, 1), SamplingParams(25.0, top_p=5e-324))  # 0 in float32: still the top token
+    torch.testing.assert_close(p, torch.tensor([[1.0, 0, 0, 0, 0]] * 2))
     hot = process(logits, SamplingParams(2.0))
     torch.testing.assert_close(hot, torch.softmax(logits / 2, -1))
 
