@@ -14,7 +14,9 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("matvec.cpp", "fused.cpp")]
+from .paths import cache_root
+
+KERNEL_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("matvec.cpp", "fused.cpp")]
 LIBRARY = "flashdraft_kernels"
 # Built on and for this machine; OpenMP runs at::parallel_for; no errno lets `exp` vectorise (libmvec).
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
@@ -30,8 +32,7 @@ def _machine() -> bytes:
 
 def library_dir() -> Path:
     """<flashdraft cache>/kernels/<hash of source, torch and CPU>: a new torch or machine builds afresh."""
-    from .models import cache_root
-    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES) + _machine()).hexdigest()[:16]
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in KERNEL_SOURCES) + _machine()).hexdigest()[:16]
     return cache_root() / "kernels" / key
 
 
@@ -48,7 +49,7 @@ def _build(out: Path) -> None:
     start = time.perf_counter()
     build = out / "build"
     build.mkdir(parents=True, exist_ok=True)
-    load(LIBRARY, [str(src) for src in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+    load(LIBRARY, [str(src) for src in KERNEL_SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
          build_directory=str(build), is_python_module=False)
     os.replace(build / f"{LIBRARY}.so", out / f"{LIBRARY}.so")
     print(f"flashdraft: built in {time.perf_counter() - start:.0f} s ({out})", file=sys.stderr)

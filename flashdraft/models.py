@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ from .checkpoint import check_compatible, load_drafter, parse_dtype
 from .errors import FlashdraftError
 from . import target as T
 from .packed import is_packed, pack_linears
+from .paths import cache_root
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 DRAFTERS_DIR = Path(__file__).parent / "drafters"
@@ -73,13 +73,6 @@ class Target:
         if eos is None:
             return []
         return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
-
-
-def cache_root() -> Path:
-    """$FLASHDRAFT_CACHE, else $XDG_CACHE_HOME/flashdraft, else ~/.cache/flashdraft."""
-    if os.environ.get("FLASHDRAFT_CACHE"):
-        return Path(os.environ["FLASHDRAFT_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flashdraft"
 
 
 def gguf_path(entry: Registered) -> Path:

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 from ..errors import FlashdraftError
+from ..paths import cache_root
 
 LLAMACPP_VERSION = "0.3.36"  # the llama-cpp-python sdist whose vendored llama.cpp `make llamacpp` builds (Makefile)
 HOW_TO_GET = "run `make llamacpp` (builds the pinned llama.cpp once) or set FLASHDRAFT_LLAMACPP to such a build"
@@ -14,8 +15,6 @@ OUTTYPES = ("f32", "f16", "bf16", "q8_0")  # the weight types llama.cpp's conver
 
 def home() -> Path:
     """Where the llama.cpp build lives: $FLASHDRAFT_LLAMACPP, else <flashdraft cache>/llamacpp/<version>."""
-    from ..models import cache_root  # local: `flashdraft export --help` reads OUTTYPES here without loading torch
-
     env = os.environ.get("FLASHDRAFT_LLAMACPP")
     return Path(env) if env else cache_root() / "llamacpp" / LLAMACPP_VERSION
 

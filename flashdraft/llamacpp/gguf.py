@@ -17,7 +17,8 @@ from transformers import AutoConfig
 from ..checkpoint import check_compatible
 from ..config import load_config
 from ..errors import FlashdraftError
-from ..models import REGISTRY, cache_root, gguf_path, resolve_target
+from ..models import REGISTRY, gguf_path, resolve_target
+from ..paths import cache_root
 from .build import LLAMACPP_VERSION, OUTTYPES, converter
 
 
