@@ -461,6 +461,7 @@ def test_schemathesis_finds_no_server_error(tiny):
             cases = st.one_of(*(operation.as_strategy(mode) for mode in GenerationMode))  # valid and invalid
 
             @settings(max_examples=80 if operation.method.upper() == "POST" else 5, deadline=None, database=None,
+                      derandomize=True,  # the same requests every run: "some reach the decoder" cannot flake
                       suppress_health_check=list(HealthCheck))
             @given(case=cases)
             def fuzz(case):
