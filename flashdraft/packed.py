@@ -95,7 +95,7 @@ def pack_linears(model: nn.Module) -> int:
 
 def is_packed(model: nn.Module) -> bool:
     """Whether pack_linears has routed any of model's linear layers through a packed weight."""
-    return any(getattr(m, "packed_weight", None) is not None for m in model.modules())
+    return packed_kind(model) is not None
 
 
 def packed_kind(model: nn.Module) -> str | None:

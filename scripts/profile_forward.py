@@ -136,9 +136,12 @@ def main() -> int:
     model, lean = tgt.model, tgt.model.flashdraft_lean
     layer_ids = [1, T.num_layers(model) - 3]  # features as a two-layer drafter takes them
     results = {}
-    os.environ["FLASHDRAFT_KERNEL"] = "0"  # the same lean forward with its linears packed for oneDNN instead
-    onednn = L.lean_model(model, pack=True)
-    del os.environ["FLASHDRAFT_KERNEL"]
+    before, os.environ["FLASHDRAFT_KERNEL"] = os.environ.get("FLASHDRAFT_KERNEL"), "0"
+    onednn = L.lean_model(model, pack=True)  # the same lean forward with its linears packed for oneDNN instead
+    if before is None:
+        del os.environ["FLASHDRAFT_KERNEL"]
+    else:
+        os.environ["FLASHDRAFT_KERNEL"] = before
     views = [("lean forward, oneDNN linears", onednn)]
     if packed_kind(model) == "matvec":
         views.append(("lean forward, matvec kernel", lean))
