@@ -49,7 +49,8 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--disconnects", type=int, default=40)
-    ap.add_argument("--serve-args", default="--dtype float32")
+    ap.add_argument("--serve-args", default="--dtype float32",
+                    help="flashdraft serve's arguments; --max-queue is added, sized to admit every client (below)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     out = Path(args.out)
@@ -57,8 +58,11 @@ def main() -> int:
     tokenizer = resolve_target(DEFAULT_TARGET)  # the converted target directory holds its tokenizer
     port = free_port()  # the server's log goes to out/server.log, so a failed request can be traced
     log = open(out / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "flashdraft.cli", "serve", "--port", str(port),
-                             *args.serve_args.split()], stdout=log, stderr=subprocess.STDOUT)
+    serve_args = args.serve_args.split()
+    if "--max-queue" not in serve_args:  # admit all: the benchmark's clients and one walk-away at a time
+        serve_args += ["--max-queue", str(args.concurrency + 1)]
+    proc = subprocess.Popen([sys.executable, "-m", "flashdraft.cli", "serve", "--port", str(port), *serve_args],
+                            stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     if not wait_healthy(url, proc, time.monotonic() + 600):
         proc.kill()
