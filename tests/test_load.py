@@ -28,12 +28,45 @@ def test_load_runs_every_mode_concurrency_and_load(tmp_path, capsys):
     assert "| p | 1 | 2 | adaptive |" in table and "1.00×" in table
 
 
+def test_rounds_interleave_the_modes_and_report_the_median(tmp_path, monkeypatch):
+    """--rounds R: every load point measures each mode back to back, the first mode rotating, all servers up at once;
+    the table shows each mode's median round and the range of its rounds."""
+    from flashdraft.bench import load
+
+    started, order = [], []
+    monkeypatch.setattr(load, "start_server", lambda args, mode: started.append(mode) or (None, f"http://{mode}"))
+    monkeypatch.setattr(load, "stop_server", lambda proc: None)
+    monkeypatch.setattr(load, "served_model", lambda url: "m")
+    monkeypatch.setattr(load, "run_clients", lambda *a: ([], 1.0))
+    speed = {"plain": [10.0, 30.0, 20.0], "fixed": [40.0, 5.0, 50.0]}
+
+    def measure(url, model, prompts, clients, busy, max_tokens, timeout):
+        mode = url.removeprefix("http://")
+        order.append(mode)
+        tps = speed[mode][sum(m == mode for m in order) - 1]
+        return {"busy": busy, "concurrency": clients, "requests": 2, "ok": 2, "errors": [], "output_tokens": 1,
+                "wall_s": 1.0, "tokens_per_s": tps, "requests_per_s": 1.0, "latency_p50_s": 1.0,
+                "latency_p95_s": 1.0, "ttft_p50_s": 0.1, "ttft_p95_s": 0.1}
+
+    monkeypatch.setattr(load, "measure", measure)
+    rows = load.run_load({"d": ["a", "b"]}, ["plain", "fixed"], [1], [0], 8, [], None, "", 2, rounds=3)
+    assert started == ["plain", "fixed"]  # one server per mode for the whole run
+    assert order == ["plain", "fixed", "fixed", "plain", "plain", "fixed"]  # the first mode rotates
+    assert [r["round"] for r in rows] == [0, 0, 1, 1, 2, 2]
+    medians = {r["mode"]: r for r in load.median_rounds(rows)}
+    assert medians["plain"]["tokens_per_s"] == 20.0 and medians["plain"]["rounds_tokens_per_s"] == [10.0, 30.0, 20.0]
+    assert medians["fixed"]["tokens_per_s"] == 40.0
+    table = load.table(rows)
+    assert "| d | 0 | 1 | fixed | 40.0 | 3: 5.0–50.0 | 2.00× |" in table
+
+
 def test_load_refuses_bad_arguments(tmp_path, capsys):
     data = tmp_path / "p.jsonl"
     data.write_text(json.dumps({"turns": ["hi"]}) + "\n")
     base = ["load", "--dataset", str(data), "--out", str(tmp_path / "o")]
     assert main(base + ["--modes", "turbo"]) == 2
     assert main(base + ["--concurrency", "0"]) == 2
+    assert main(base + ["--rounds", "0"]) == 2
     assert main(base + ["--concurrency", "4"]) == 2  # 4 clients × 2 requests need 8 prompts
     assert "need 8" in capsys.readouterr().err
 

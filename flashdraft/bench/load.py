@@ -1,11 +1,13 @@
-"""`flashdraft bench load`: N concurrent streaming clients against `flashdraft serve`, per decoding mode and load.
+"""`flashdraft load`: N concurrent streaming clients against `flashdraft serve`, per decoding mode and load.
 
 For each mode (plain batched: block size 1; fixed: every request at its block; adaptive: the default; vllm and
 vllm-dflash: vLLM's own OpenAI server, plain and with the drafter, started by `flashdraft serve --engine vllm` where
-`make vllm` installed it) a server is started on the same target, prompts and settings; for each concurrency N, N client threads send chat requests from
-the dataset (each client its own slice, in order) and the run reports output tokens/s, requests/s, p50/p95 latency
-and time to first token. With --busy K, K processes spin on the CPU throughout (contention). --url drives a server
-that is already running instead (one mode, labelled by --label).
+`make vllm` installed it) a server is started on the same target, prompts and settings, all side by side; for each
+load point (busy processes, dataset, concurrency N) every mode is driven in turn by N client threads sending chat
+requests from the dataset (each client its own slice, in order), and the run reports output tokens/s, requests/s,
+p50/p95 latency and time to first token. With --busy K, K processes spin on the CPU throughout (contention);
+--rounds R measures every point R times and reports each mode's median round. --url drives a server that is already
+running instead (one mode, labelled by --label).
 """
 
 from __future__ import annotations
@@ -196,25 +198,48 @@ def served_model(url: str) -> str:
 
 def run_load(datasets: dict[str, list[str]], modes: list[str], concurrency: list[int], busy_counts: list[int],
              max_tokens: int, serve_args: list[str], url: str | None, label: str, requests_per_client: int,
-             timeout: float = 1800) -> list[dict]:
-    """Every (load, mode, dataset, concurrency) on the same prompts → one summary row each."""
-    rows = []
-    for k in busy_counts:
-        for mode in ([label] if url else modes):
-            proc, base = (None, url) if url else start_server(serve_args, mode)
-            try:
-                model = served_model(base)
-                first = next(iter(datasets.values()))
-                run_clients(base, model, first[:2], 2, 16, timeout)  # warm-up, two at once
+             rounds: int = 1, timeout: float = 1800) -> list[dict]:
+    """Every (round, load, dataset, concurrency, mode) on the same prompts → one summary row each. The modes' servers
+    run side by side (an idle one holds memory, not the cores) and each load point measures every mode back to back,
+    first mode rotating from one point to the next, so that a change in the machine's speed (another process, a busy
+    spell) falls on every mode alike instead of on whichever ran at the time."""
+    names = [label] if url else modes
+    servers: dict[str, tuple[subprocess.Popen | None, str]] = {}
+    try:
+        for mode in names:
+            servers[mode] = (None, url) if url else start_server(serve_args, mode)
+        models = {mode: served_model(base) for mode, (_, base) in servers.items()}
+        first = next(iter(datasets.values()))
+        for mode, (_, base) in servers.items():
+            run_clients(base, models[mode], first[:2], 2, 16, timeout)  # warm-up, two at once
+        rows, point = [], 0
+        for r in range(rounds):
+            for k in busy_counts:
                 for name, prompts in datasets.items():
                     for n in concurrency:
-                        rows.append(measure(base, model, prompts[: n * requests_per_client], n, k, max_tokens,
-                                            timeout) | {"mode": mode, "dataset": name})
-                        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-            finally:
-                if proc is not None:
-                    stop_server(proc)
+                        for mode in names[point % len(names):] + names[: point % len(names)]:
+                            rows.append(measure(servers[mode][1], models[mode], prompts[: n * requests_per_client], n,
+                                                k, max_tokens, timeout) | {"mode": mode, "dataset": name, "round": r})
+                            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+                        point += 1
+    finally:
+        for proc, _ in servers.values():
+            if proc is not None:
+                stop_server(proc)
     return rows
+
+
+def median_rounds(rows: list[dict]) -> list[dict]:
+    """One row per (dataset, busy, concurrency, mode): the round with the median tok/s (the lower of the middle two
+    for an even count), and every round's tok/s in `rounds_tokens_per_s`."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["dataset"], r["busy"], r["concurrency"], r["mode"]), []).append(r)
+    out = []
+    for g in groups.values():
+        ranked = sorted(g, key=lambda r: r["tokens_per_s"])
+        out.append(ranked[(len(ranked) - 1) // 2] | {"rounds_tokens_per_s": [r["tokens_per_s"] for r in g]})
+    return out
 
 
 def measure(url: str, model: str, prompts: list[str], clients: int, busy_count: int, max_tokens: int,
@@ -230,21 +255,24 @@ def measure(url: str, model: str, prompts: list[str], clients: int, busy_count: 
 
 
 def table(rows: list[dict]) -> str:
-    """Markdown: one line per run, and each mode's throughput relative to plain batched (and to vLLM's plain server,
-    when it ran) at the same load."""
+    """Markdown: one line per load point and mode (the median round where there were several, with the range of its
+    rounds), and each mode's throughput relative to plain batched (and to vLLM's plain server, when it ran)."""
+    rows = median_rounds(rows)
     key = lambda r: (r["dataset"], r["busy"], r["concurrency"])  # noqa: E731
     plain = {key(r): r["tokens_per_s"] for r in rows if r["mode"] == "plain"}
     peer = {key(r): r["tokens_per_s"] for r in rows if r["mode"] == "vllm"}
-    out = ["| dataset | busy | concurrency | mode | output tok/s | vs plain | vs vllm | req/s | p50 latency s | "
-           "p95 latency s | p50 TTFT s | p95 TTFT s | ok |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| dataset | busy | concurrency | mode | output tok/s | rounds (min–max) | vs plain | vs vllm | req/s | "
+           "p50 latency s | p95 latency s | p50 TTFT s | p95 TTFT s | ok |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (*key(r), r["mode"])):
-        base, other = plain.get(key(r)), peer.get(key(r))
+        base, other, each = plain.get(key(r)), peer.get(key(r)), r["rounds_tokens_per_s"]
         rel = f"{r['tokens_per_s'] / base:.2f}×" if base else ""
         vs = f"{r['tokens_per_s'] / other:.2f}×" if other else ""
+        spread = f"{len(each)}: {min(each):.1f}–{max(each):.1f}" if len(each) > 1 else "1"
         f = lambda v: "" if v is None else f"{v:.2f}"  # noqa: E731
-        out.append(f"| {r['dataset']} | {r['busy']} | {r['concurrency']} | {r['mode']} | {r['tokens_per_s']:.1f} | {rel} | {vs} | "
-                   f"{r['requests_per_s']:.3f} | {f(r['latency_p50_s'])} | {f(r['latency_p95_s'])} | "
-                   f"{f(r['ttft_p50_s'])} | {f(r['ttft_p95_s'])} | {r['ok']}/{r['requests']} |")
+        out.append(f"| {r['dataset']} | {r['busy']} | {r['concurrency']} | {r['mode']} | {r['tokens_per_s']:.1f} | "
+                   f"{spread} | {rel} | {vs} | {r['requests_per_s']:.3f} | {f(r['latency_p50_s'])} | "
+                   f"{f(r['latency_p95_s'])} | {f(r['ttft_p50_s'])} | {f(r['ttft_p95_s'])} | {r['ok']}/{r['requests']} |")
     return "\n".join(out) + "\n"
 
 

@@ -25,6 +25,9 @@ def add_load(sub) -> None:
                         "(vLLM's server with the drafter); the vllm modes need `make vllm`")
     p.add_argument("--busy", default="0", help="busy background processes, comma-separated, e.g. 0,2 (default 0)")
     p.add_argument("--requests-per-client", type=int, default=2, help="requests each client sends (default 2)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure every load point this many times; the table shows each mode's median round and the "
+                        "range (default 1; this machine's cells move ±10%% from run to run, more under --busy)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--url", help="drive this running server instead of starting one per mode (e.g. "
                                  "http://127.0.0.1:8000); --label names it")
@@ -46,8 +49,9 @@ def cmd_load(args) -> int:
         raise FlashdraftError(f"--modes takes {', '.join(MODES)}; got {args.modes!r}")
     if any(m.startswith("vllm") for m in modes) and not args.url and importlib.util.find_spec("vllm") is None:
         raise FlashdraftError("--modes vllm/vllm-dflash need vLLM, which is not installed: run `make vllm`")
-    if min(concurrency) < 1 or min(busy) < 0 or args.requests_per_client < 1 or args.max_new_tokens < 1:
-        raise FlashdraftError("--concurrency, --requests-per-client and --max-new-tokens must be >= 1, --busy >= 0")
+    if min(concurrency) < 1 or min(busy) < 0 or min(args.requests_per_client, args.max_new_tokens, args.rounds) < 1:
+        raise FlashdraftError("--concurrency, --requests-per-client, --max-new-tokens and --rounds must be >= 1, "
+                              "--busy >= 0")
     datasets = {}
     for spec in args.dataset:
         label, src = parse_dataset(spec)
@@ -57,7 +61,7 @@ def cmd_load(args) -> int:
                                   f"{args.requests_per_client} requests need {max(concurrency) * args.requests_per_client}")
         datasets[label] = prompts
     rows = run_load(datasets, modes, concurrency, busy, args.max_new_tokens, args.serve_args.split(), args.url,
-                    args.label, args.requests_per_client)
+                    args.label, args.requests_per_client, args.rounds)
     write_results(Path(args.out), rows, {k: v for k, v in vars(args).items() if k != "func"})
     print(table(rows), end="")
     print(f"flashdraft: wrote {Path(args.out) / 'load.md'}", file=sys.stderr)
