@@ -1,5 +1,5 @@
-"""flashdraft's native CPU kernels (csrc/): the decode matmul (matvec.cpp) and the lean forward's fused glue
-(fused.cpp), built once per machine with the system C++ compiler and loaded as torch.ops.flashdraft.*; without a
+"""flashdraft's native CPU kernels (csrc/): the decode matmul (matvec.cpp), the lean forward's fused glue
+(fused.cpp) and its ragged decode attention (attention.cpp), built once per machine with the system C++ compiler and loaded as torch.ops.flashdraft.*; without a
 compiler, flashdraft runs on oneDNN's packed matmul and torch's own ops instead."""
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import torch
 
 from .paths import cache_root
 
-KERNEL_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("matvec.cpp", "fused.cpp")]
+KERNEL_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("matvec.cpp", "fused.cpp",
+                                                                               "attention.cpp")]
 LIBRARY = "flashdraft_kernels"
 # Built on and for this machine; OpenMP runs at::parallel_for; no errno lets `exp` vectorise (libmvec).
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]

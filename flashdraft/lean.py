@@ -4,7 +4,8 @@ A decode step of a small target on a CPU is a few hundred small matmuls plus glu
 mask building, output recording and per-module dispatch around them. This runs the same arithmetic straight off the
 model's own weights: q/k/v and gate/up fused into one (packed) matmul each, RoPE from the model's rotary module, the
 K/V written through the cache layer's own `update` (so GrowingLayer / RaggedLayer rollback and compaction are
-untouched), grouped-query SDPA under the caller's mask, and features taken as they pass. Every elementwise step
+untouched), attention by grouped-query SDPA under the caller's mask or, for plain decode steps with the native
+kernels, by the ragged kernel over each row's own positions, and features taken as they pass. Every elementwise step
 repeats transformers' order of operations (RMSNorm in float32, rotate_half RoPE), so outputs equal the HF forward's
 up to the matmul blocking and, where the native kernels run the norms, their sum order (tests/test_lean.py holds
 logits and features to float32 tolerance and greedy tokens equal).
@@ -143,10 +144,25 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
 
 
+# Positions per row up to which attention runs the ragged kernel: plain decode steps. Wider blocks stay on SDPA, whose
+# matmuls beat the kernel's per-dot lane sums there (8 rows × 4: 711 against 368 µs a layer; 8 × 1: 168 against 176,
+# and 5–8 ms less per forward, docs/bench/forward-profile).
+RAGGED_MAX_WIDTH = 1
+
+
+def ragged(lm: LeanModel, width: int) -> bool:
+    """Whether a forward of `width` positions per row attends with the ragged kernel (csrc/attention.cpp): float32
+    on CPU with the kernels built, at decode widths."""
+    return lm.fused and width <= RAGGED_MAX_WIDTH
+
+
 def lean_forward(lm: LeanModel, ids: torch.Tensor, pos: torch.Tensor, cache: DynamicCache,
-                 mask: torch.Tensor | None, layer_ids: list[int], logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 mask: torch.Tensor | None, layer_ids: list[int], logits_to_keep: int = 0,
+                 rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """ids, pos [N, W] on top of cache (K/V appended by each cache layer's update; mask: additive
-    [N, 1, W, keys] or None for plain causal over one row) → (float32 logits [N, W or keep, V], features
+    [N, 1, W, keys] or None for plain causal over one row; rows: instead of a mask, where `ragged` allows, each row's
+    committed positions lens [N] and what its block's positions see of the block, see [N, W, W] bool, for the ragged
+    kernel) → (float32 logits [N, W or keep, V], features
     [N, W, F] = hidden_states[i + 1] for i in layer_ids, or None)."""
     n, w = ids.shape
     x = lm.embed(ids)
@@ -167,12 +183,15 @@ def lean_forward(lm: LeanModel, ids: torch.Tensor, pos: torch.Tensor, cache: Dyn
             q, k = norm(q, L.q_norm, lm.eps), norm(k, L.k_norm, lm.eps)
         q, k = rotate(q.transpose(1, 2), cos, sin), rotate(k.transpose(1, 2), cos, sin)
         keys, values = cache.layers[i].update(k, v)
-        if causal and keys.shape[-2] > w:  # a block on top of a cache: causal inside the block, all before it
-            mask = _offset_causal(w, keys.shape[-2], x.dtype, x.device)
-            causal = False
-        att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, scale=lm.scaling,
-                                             enable_gqa=lm.kv_heads != lm.heads)
-        x = x + packed.linear(att.transpose(1, 2).reshape(n, w, hq), L.o)
+        if rows is not None:  # [N, W, heads, d]: already in the layout the output projection reads
+            att = torch.ops.flashdraft.ragged_attention(q, keys, values, rows[0], rows[1], lm.scaling).view(n, w, hq)
+        else:
+            if causal and keys.shape[-2] > w:  # a block on top of a cache: causal inside the block, all before it
+                mask = _offset_causal(w, keys.shape[-2], x.dtype, x.device)
+                causal = False
+            att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, scale=lm.scaling,
+                                                 enable_gqa=lm.kv_heads != lm.heads).transpose(1, 2).reshape(n, w, hq)
+        x = x + packed.linear(att, L.o)
         x = x + packed.linear(act(packed.linear(norm(x, L.post_norm, lm.eps), L.gate_up)), L.down)
         if i in layer_ids:
             feats[i] = x

@@ -153,6 +153,13 @@ def ancestors(parents: list[int]) -> torch.Tensor:
     return see
 
 
+def block_visibility(parents: list[int] | None, n: int) -> torch.Tensor:
+    """[n, n] bool: which of a block's rows each row sees (a chain: causal; a tree: itself and its ancestors)."""
+    if parents is None:
+        return torch.ones(n, n, dtype=torch.bool).tril()
+    return ancestors(parents)
+
+
 def tree_mask(parents: list[int], start: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Additive attention mask [1, 1, N+1, start+N+1] for the anchor and the nodes on top of `start` cached positions."""
     see = torch.cat([torch.ones(len(parents) + 1, start, dtype=torch.bool), ancestors(parents)], 1)
@@ -169,13 +176,17 @@ def forward(model: PreTrainedModel, ids: torch.Tensor, start: int, cache: Dynami
     """
     if cache.get_seq_length() != start:
         raise RuntimeError(f"target cache holds {cache.get_seq_length()} positions, expected {start}")
-    extra = {}
+    n = ids.shape[0]
     if parents is None:
-        pos = torch.arange(start, start + ids.shape[0], device=ids.device)[None]
+        pos = torch.arange(start, start + n, device=ids.device)[None]
     else:
         pos = torch.tensor([0] + node_depths(parents), device=ids.device)[None] + start
-        extra["attention_mask"] = tree_mask(parents, start, model.dtype, ids.device)
     lm = lean.current(model) if not torch.is_grad_enabled() else None
+    if lm is not None and lean.ragged(lm, n):  # no mask: the kernel reads this row's positions and block as they are
+        rows = (torch.tensor([start]), block_visibility(parents, n)[None])
+        logits, feats = lean.lean_forward(lm, ids[None], pos, cache, None, layer_ids, logits_to_keep, rows)
+        return TargetOutput(logits[0], feats[0] if feats is not None else ids.new_zeros(0))
+    extra = {} if parents is None else {"attention_mask": tree_mask(parents, start, model.dtype, ids.device)}
     if lm is not None:
         logits, feats = lean.lean_forward(lm, ids[None], pos, cache, extra.get("attention_mask"), layer_ids,
                                           logits_to_keep)

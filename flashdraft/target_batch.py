@@ -141,31 +141,35 @@ class BatchCache(DynamicCache):
         self.lens[row] = start + len(kept)
 
 
-def block_visibility(parents: list[int] | None, n: int) -> torch.Tensor:
-    """[n, n] bool: which of a block's rows each row sees (a chain: causal; a tree: itself and its ancestors)."""
-    if parents is None:
-        return torch.ones(n, n, dtype=torch.bool).tril()
-    return T.ancestors(parents)
-
-
-def batch_inputs(blocks: list[list[int]], parents: list[list[int] | None], lens: list[int], dtype: torch.dtype,
+def batch_inputs(blocks: list[list[int]], parents: list[list[int] | None], lens: list[int],
                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Padded ids [N, W], positions [N, W] and the additive mask [N, 1, W, max(lens) + W] of a batched verify."""
+    """Padded ids [N, W], positions [N, W] and what each row's block positions see of its block [N, W, W] bool (a
+    padding position sees itself only, so that no row is empty) of a batched verify."""
     n, w = len(blocks), max(len(b) for b in blocks)
-    width = max(lens) + w
     ids = torch.zeros(n, w, dtype=torch.long)
     pos = torch.zeros(n, w, dtype=torch.long)
-    see = torch.zeros(n, w, width, dtype=torch.bool)
+    see = torch.zeros(n, w, w, dtype=torch.bool)
+    pad = torch.arange(w)
     for i, (block, par, start) in enumerate(zip(blocks, parents, lens)):
         k = len(block)
         ids[i, :k] = torch.tensor(block)
         depth = torch.tensor([0] + node_depths(par)) if par is not None else torch.arange(k)
         pos[i] = start + torch.cat([depth, torch.arange(k, w)])  # padding continues past the block, unseen
-        see[i, :k, :start] = True
-        see[i, :k, start:start + k] = block_visibility(par, k)
-        see[i, torch.arange(k, w), start + torch.arange(k, w)] = True  # padding sees itself only: no empty rows
-    mask = torch.zeros(see.shape, dtype=dtype).masked_fill(~see, torch.finfo(dtype).min)
-    return ids.to(device), pos.to(device), mask[:, None].to(device)
+        see[i, :k, :k] = T.block_visibility(par, k)
+        see[i, pad[k:], pad[k:]] = True
+    return ids.to(device), pos.to(device), see.to(device)
+
+
+def batch_mask(see: torch.Tensor, lens: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The additive mask [N, 1, W, max(lens) + W] of a batched verify for SDPA: row i sees its lens[i] committed
+    positions and, at lens[i].., its block as `see` [N, W, W] says."""
+    n, w = see.shape[:2]
+    full = torch.zeros(n, w, max(lens) + w, dtype=torch.bool)
+    for i, start in enumerate(lens):
+        full[i, :, :start] = True
+        full[i, :, start:start + w] = see[i]
+    mask = torch.zeros(full.shape, dtype=dtype).masked_fill(~full, torch.finfo(dtype).min)
+    return mask[:, None].to(device)
 
 
 def forward_batch(model: PreTrainedModel, blocks: list[list[int]], parents: list[list[int] | None],
@@ -173,11 +177,13 @@ def forward_batch(model: PreTrainedModel, blocks: list[list[int]], parents: list
     """One target forward verifying blocks[i] (anchor + drafts) on top of cache row i → per row: logits [k_i, V]
     (float32) and features [k_i, F] of its real (unpadded) positions."""
     lens = cache.lens.tolist()
-    ids, pos, mask = batch_inputs(blocks, parents, lens, model.dtype, model.device)
+    ids, pos, see = batch_inputs(blocks, parents, lens, model.device)
     cache.begin(ids.shape[1])
     lm = lean.current(model) if not torch.is_grad_enabled() else None
+    rows = (cache.lens, see) if lm is not None and lean.ragged(lm, ids.shape[1]) else None
+    mask = None if rows is not None else batch_mask(see, lens, model.dtype, model.device)
     if lm is not None:
-        logits, feats = lean.lean_forward(lm, ids, pos, cache, mask, layer_ids)
+        logits, feats = lean.lean_forward(lm, ids, pos, cache, mask, layer_ids, rows=rows)
         return [T.TargetOutput(logits[i, :len(b)], feats[i, :len(b)] if feats is not None else ids.new_zeros(0))
                 for i, b in enumerate(blocks)]
     out = model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,

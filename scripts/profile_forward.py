@@ -1,6 +1,6 @@
 """Where one target forward's time goes: a plain step and a block verify at batch 1 and 8, through the lean forward
-with its linears on oneDNN's packed matmul and on flashdraft's matvec kernel, in one run; optionally vLLM's plain
-step on the same machine.
+with its linears on oneDNN's packed matmul, on flashdraft's matvec kernel with torch's SDPA, and on the matvec and
+ragged attention kernels, in one run; optionally vLLM's plain step on the same machine.
 
     python scripts/profile_forward.py --out docs/bench/forward-profile [--vllm]
 
@@ -33,7 +33,7 @@ from flashdraft.target_batch import BatchCache, forward_batch
 KINDS = {
     "linear": ("flashdraft::matvec", "mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::bmm"),
     "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
-                  "aten::_softmax"),
+                  "aten::_softmax", "flashdraft::ragged_attention"),
     "cache write": ("aten::_index_put_impl_", "aten::index_put_"),
     "elementwise": ("aten::mul", "aten::add", "aten::pow", "aten::mean", "aten::rsqrt", "aten::silu", "aten::neg",
                     "aten::cat", "aten::div_", "aten::sum", "aten::embedding", "aten::index_select", "aten::copy_",
@@ -142,14 +142,16 @@ def main() -> int:
         del os.environ["FLASHDRAFT_KERNEL"]
     else:
         os.environ["FLASHDRAFT_KERNEL"] = before
-    views = [("lean forward, oneDNN linears", onednn)]
+    views = [("lean forward, oneDNN linears", onednn, 0)]  # (name, lean view, RAGGED_MAX_WIDTH: 0 = SDPA)
     if packed_kind(model) == "matvec":
-        views.append(("lean forward, matvec kernel", lean))
-    for name, view in views:
+        views += [("lean forward, matvec kernel, SDPA", lean, 0),
+                  ("lean forward, matvec + ragged attention kernels", lean, L.RAGGED_MAX_WIDTH)]
+    ragged_max = L.RAGGED_MAX_WIDTH
+    for name, view, L.RAGGED_MAX_WIDTH in views:
         model.flashdraft_lean = view
         results[name] = [measure(model, r, w, args.context, args.reps, layer_ids) for r, w in CELLS]
         print(table({name: results[name]}, None), file=sys.stderr, flush=True)
-    model.flashdraft_lean = lean
+    model.flashdraft_lean, L.RAGGED_MAX_WIDTH = lean, ragged_max
     vllm = vllm_steps(resolve_target(tgt.name), [1, 8], args.context) if args.vllm else None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

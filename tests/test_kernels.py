@@ -1,4 +1,5 @@
-"""The native decode matmul: F.linear's numbers, a row's result independent of its batch, and a clean fallback."""
+"""The native kernels: the decode matmul (F.linear's numbers), the fused glue and the ragged attention (torch's),
+a row's result independent of its batch, and a clean fallback."""
 
 import os
 
@@ -76,3 +77,69 @@ def test_fused_rms_norm_and_silu_mul_match_torch(shape):
     torch.testing.assert_close(torch.ops.flashdraft.rms_norm(strided, w, 1e-5), rms_norm(strided, w, 1e-5),
                                rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(torch.ops.flashdraft.silu_mul(strided), silu_mul(strided), rtol=1e-5, atol=1e-6)
+
+
+def ragged_case(lens: list[int], widths: list[int], heads: int = 9, kv_heads: int = 3, dim: int = 64, seed: int = 0,
+                tree: bool = False):
+    """q [N, H, W, d], a cache buffer with room to spare (keys / values are views of it, as RaggedLayer hands them
+    out), lens, and see [N, W, W]: each row's chain (or a random tree) over its own width, padding seeing itself."""
+    from flashdraft.target import block_visibility
+    g = torch.Generator().manual_seed(seed)
+    n, w = len(lens), max(widths)
+    q = torch.randn(n, heads, w, dim, generator=g)
+    buf = torch.randn(n + 1, kv_heads, max(lens) + w + 5, dim, generator=g)
+    vbuf = torch.randn(n + 1, kv_heads, max(lens) + w + 5, dim, generator=g)
+    keys, values = buf[:n, :, :max(lens) + w], vbuf[:n, :, :max(lens) + w]
+    see = torch.zeros(n, w, w, dtype=torch.bool)
+    for i, k in enumerate(widths):
+        parents = [int(torch.randint(-1, j, (1,), generator=g)) for j in range(k - 1)] if tree else None
+        see[i, :k, :k] = block_visibility(parents, k)
+        see[i, range(k, w), range(k, w)] = True
+    return q, keys, values, torch.tensor(lens), see
+
+
+def sdpa_reference(q, keys, values, lens, see, scale):
+    """The same attention through torch's SDPA under the equivalent additive mask, in float64."""
+    from flashdraft.target_batch import batch_mask
+    n, w = see.shape[:2]
+    width = int(lens.max()) + w
+    mask = batch_mask(see, lens.tolist(), torch.float64, torch.device("cpu"))
+    return F.scaled_dot_product_attention(q.double(), keys[:, :, :width].double(), values[:, :, :width].double(),
+                                          attn_mask=mask, scale=scale, enable_gqa=True).transpose(1, 2).float()
+
+
+@needs_kernel
+@pytest.mark.parametrize("lens,widths,tree", [([5], [1], False), ([0], [4], False), ([300], [8], True),
+                                              ([7, 40, 3], [1, 1, 1], False), ([12, 3, 33, 20], [4, 2, 4, 1], False),
+                                              ([9, 50], [8, 5], True)])
+def test_ragged_attention_matches_sdpa(lens, widths, tree):
+    q, keys, values, lens_t, see = ragged_case(lens, widths, tree=tree)
+    got = torch.ops.flashdraft.ragged_attention(q, keys, values, lens_t, see, 0.125)
+    assert got.shape == (len(lens), max(widths), 9, 64)
+    torch.testing.assert_close(got, sdpa_reference(q, keys, values, lens_t, see, 0.125), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_ragged_attention_of_a_row_does_not_depend_on_the_batch_or_width():
+    """Bit for bit: a row's outputs are the same alone, beside other rows, and padded to a wider block — so a verify
+    attends exactly as the plain steps it replaces."""
+    q, keys, values, lens, see = ragged_case([20, 7, 64], [3, 1, 8], seed=1)
+    batch = torch.ops.flashdraft.ragged_attention(q, keys, values, lens, see, 0.125)
+    for i, k in enumerate([3, 1, 8]):
+        alone = torch.ops.flashdraft.ragged_attention(q[i:i + 1, :, :k], keys[i:i + 1], values[i:i + 1], lens[i:i + 1],
+                                                      see[i:i + 1, :k, :k], 0.125)
+        assert torch.equal(alone[0], batch[i, :k])
+        for j in range(k):  # one position at a time on top of the cache: the plain steps
+            steps = torch.ops.flashdraft.ragged_attention(q[i:i + 1, :, j:j + 1], keys[i:i + 1], values[i:i + 1],
+                                                          lens[i:i + 1] + j, torch.ones(1, 1, 1, dtype=torch.bool),
+                                                          0.125)
+            assert torch.equal(steps[0, 0], batch[i, j])
+
+
+@needs_kernel
+def test_ragged_attention_refuses_what_it_cannot_read():
+    q, keys, values, lens, see = ragged_case([4], [2])
+    with pytest.raises(RuntimeError, match="past the cache"):
+        torch.ops.flashdraft.ragged_attention(q, keys, values, lens + 10, see, 0.125)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.flashdraft.ragged_attention(q.double(), keys, values, lens, see, 0.125)

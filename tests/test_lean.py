@@ -5,7 +5,7 @@ import torch
 from helpers import tiny_target
 from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from flashdraft import lean
+from flashdraft import kernels, lean
 from flashdraft import target as T
 from flashdraft.packed import pack_linears
 from flashdraft.target_batch import BatchCache, forward_batch
@@ -74,7 +74,9 @@ def test_ragged_batch_verify_equals_hf(kind):
             T.forward(m, torch.arange(n) % 90, 0, single, [1])
             cache.add_row(single)
         outs.append(forward_batch(m, [[3, 4, 5, 6], [7], [8, 9, 10]], [None, None, [-1, -1]], cache, [1, 2]))
-    for a, b in zip(*outs):
+        outs.append(forward_batch(m, [[11], [12], [13]], [None] * 3, cache, [1, 2]))  # plain steps: the ragged kernel
+    assert lean.ragged(lean.current(fast), 1) == kernels.available()
+    for a, b in zip(outs[0] + outs[1], outs[2] + outs[3]):
         torch.testing.assert_close(b.logits, a.logits, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(b.features, a.features, rtol=1e-5, atol=FEATURE_ATOL)
 
