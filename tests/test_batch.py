@@ -420,8 +420,8 @@ def test_leaving_from_the_middle_outside_inference_mode():
 
 def test_exploration_backs_off_while_the_plan_holds_and_restarts_when_it_changes():
     """A clear choice is re-checked ever more rarely (each try costs a cycle of the worse choice); when measured
-    costs flip the plan, tries come every EXPLORE cycles again. While not speculating, a try is the narrowest
-    speculation (width 2), not the widest block."""
+    costs flip the plan, tries come every EXPLORE cycles again. While not speculating, a try is every row's widest
+    speculation: the verify whose cost the plan weighs."""
     from flashdraft.decoding.adaptive import EXPLORE, EXPLORE_MAX
 
     policy = AdaptivePolicy(4)
@@ -441,4 +441,30 @@ def test_exploration_backs_off_while_the_plan_holds_and_restarts_when_it_changes
         pass
     assert policy.speculating is False and policy.interval == EXPLORE  # the plan changed: re-checked soon
     widths = [policy.choose(rows) for _ in range(EXPLORE)]
-    assert [2, 2] in widths and [4, 4] not in widths  # the try is the narrowest speculation
+    assert [4, 4] in widths and [2, 2] not in widths  # the try is the widest speculation
+
+
+def test_speculation_resumes_when_contention_ends():
+    """One request drafting trees (verified whole: 8 positions) on a contended machine: a tree verify costs 0.2 s
+    against 0.07 for a plain step, so the policy decodes plainly. The spell ends (a tree 0.043 s, a step 0.033 s, a
+    one-node tree 0.040 s): the first try after it, which verifies the whole tree, must bring speculation back. (A
+    try of the narrowest speculation measured only the one-node tree, and the line through it and the plain step
+    put the tree at twice its cost: plain decoding stayed.)"""
+    from flashdraft.decoding.adaptive import EXPLORE_MAX
+
+    policy = AdaptivePolicy(8)
+    rows = [Row(Acceptance(kept=6, rejected=4), 8, span=4)]  # α = 0.6: E = 2.18 tokens a tree
+    cost = {1: 0.070, 2: 0.090, 8: 0.200}
+    tries_after = []
+    for cycle in range(60 + EXPLORE_MAX + 2):
+        if cycle == 60:
+            cost = {1: 0.033, 2: 0.040, 8: 0.043}
+        w = max(policy.choose(rows))
+        if cycle == 59:
+            assert not policy.speculating
+        if cycle >= 60 and not policy.speculating and w > 1:
+            tries_after.append(cycle)
+        policy.observe(1, w, cost[w], 1 if w > 1 else 0, 0.001 if w > 1 else 0.0)
+        if tries_after and cycle > tries_after[0]:
+            break
+    assert tries_after and policy.speculating and cycle == tries_after[0] + 1, (tries_after, cycle)

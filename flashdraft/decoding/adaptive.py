@@ -2,14 +2,15 @@
 batch's expected tokens per second, from pass costs measured online and each request's running acceptance.
 
 Costs, kept per batch size N (the shape the machine sees now): the part of a cycle that is not drafting (the padded
-verify of N rows, acceptance and commits) costs t_v(w) ≈ a_v + c_v·w at padded width w, and drafting for D rows
-costs t_d(D) ≈ a_d + c_d·D, both fitted by least squares over recent cycles with exponential forgetting, so they
-follow the machine as it is now (another process taking the cores shows up within a few cycles). Acceptance: each
+verify of N rows, acceptance and commits) at padded width w, t_v(w), and drafting for D rows, t_d(D): each amount
+measured is the running mean of its own recent measurements (exponential forgetting), so it follows the machine as it
+is now (another process taking the cores shows up within a few cycles); an amount not measured yet is read off the
+line a + c·x through the measured ones. Acceptance: each
 request's drafts are kept with a running rate α (drafts kept / drafts kept + first rejections, from a prior), so a
 width-w block yields E(w) = 1 + α + … + α^(w−1) tokens. The policy scans the widths, lets the rows whose expected
 gain does not pay for their drafter share decode plainly, and keeps the best Σ E / (t_v + t_d). Now and then it tries
-the other choice instead (plain while speculating, the narrowest speculation while not), so a wrong choice is
-measured and undone: first after EXPLORE cycles, then, each time the plan stays as it was, after twice as many (up to
+the other choice instead (plain while speculating, every row's widest speculation while not: what the plan would
+weigh), so a wrong choice is measured and undone: first after EXPLORE cycles, then, each time the plan stays as it was, after twice as many (up to
 EXPLORE_MAX), so that a clear choice is not taxed by re-checking it; a change of plan starts over at EXPLORE.
 """
 
@@ -24,34 +25,52 @@ PRIOR_KEPT, PRIOR_TRIED = 1.0, 2.0  # α starts at 0.5 and moves with each reque
 
 
 class CostModel:
-    """t ≈ a + c·x over recent observations (weighted least squares with exponential forgetting)."""
+    """Seconds for an amount of work x: for each amount measured, the mean of its measurements with exponential
+    forgetting (every observation of any amount ages them all); for an amount not measured, the line a + c·x through
+    those means (least squares weighted by their recency). Each amount follows its own measurements, so one measured
+    rarely (plain decoding while speculating: only at its tries) is its latest measurements, never a line outvoted by
+    the stale measurements of another (a contended spell's, after it ended)."""
 
     def __init__(self, half_life: float = HALF_LIFE):
         self.decay = 0.5 ** (1 / half_life)
-        self.w = self.x = self.y = self.xx = self.xy = 0.0
-        self.amounts: set[float] = set()  # the amounts of work seen (a line needs two)
+        self.means: dict[float, float] = {}
+        self.weights: dict[float, float] = {}  # per amount: the summed weight of its measurements
 
     def observe(self, x: float, t: float) -> None:
-        d = self.decay
-        self.w, self.x, self.y = d * self.w + 1, d * self.x + x, d * self.y + t
-        self.xx, self.xy = d * self.xx + x * x, d * self.xy + x * t
-        self.amounts.add(x)
+        for k in self.weights:
+            self.weights[k] *= self.decay
+        w = self.weights.get(x, 0.0) + 1
+        m = self.means.get(x, t)
+        self.means[x], self.weights[x] = m + (t - m) / w, w
+
+    @property
+    def amounts(self) -> set[float]:
+        """The amounts of work measured (a line needs two)."""
+        return set(self.means)
 
     @property
     def seen(self) -> bool:
-        return self.w > 0
+        return bool(self.means)
 
     def predict(self, x: float) -> float:
-        """Seconds for work x; proportional until two different amounts of work were seen, never negative."""
-        if not self.seen:
+        """Seconds for work x: its own mean if measured; else the line, proportional until two amounts were
+        measured, never negative."""
+        if x in self.means:
+            return self.means[x]
+        if not self.means:
             return 0.0
-        var = self.w * self.xx - self.x * self.x
-        if var <= 1e-9 * max(self.w * self.xx, 1e-12):
-            return self.y / self.x * x if self.x > 0 else self.y / self.w
-        c = (self.w * self.xy - self.x * self.y) / var
-        a = (self.y - c * self.x) / self.w
+        w = sum(self.weights.values())
+        sx = sum(self.weights[k] * k for k in self.means)
+        sy = sum(self.weights[k] * m for k, m in self.means.items())
+        sxx = sum(self.weights[k] * k * k for k in self.means)
+        sxy = sum(self.weights[k] * k * m for k, m in self.means.items())
+        var = w * sxx - sx * sx
+        if var <= 1e-9 * max(w * sxx, 1e-12):
+            return sy / sx * x if sx > 0 else sy / w
+        c = (w * sxy - sx * sy) / var
+        a = (sy - c * sx) / w
         if c < 0 or a < 0:  # noise: fall back to the cheaper-to-trust one-parameter fits
-            return max(self.y / self.w, 0.0) if c < 0 else self.y / self.x * x
+            return max(sy / w, 0.0) if c < 0 else sy / sx * x
         return a + c * x
 
 
@@ -136,7 +155,7 @@ class AdaptivePolicy:
             return [r.max_width for r in rows] if not verify.seen else [1] * len(rows)
         if self.cycle >= self.next_try:  # the choice that matters most, speculate or not, stays measured both ways
             self.tried, self.next_try = self.cycle, float("inf")  # the plan of the next cycle sets the next try
-            return [1] * len(rows) if self.speculating else [min(2, r.max_width) for r in rows]
+            return [1] * len(rows) if self.speculating else [r.max_width for r in rows]
         chosen = plan(rows, self.widths, verify, draft)[1]
         speculating = max(chosen) > 1
         if speculating != self.speculating:  # the plan changed (after a try, or as costs moved): re-check it soon
