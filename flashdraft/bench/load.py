@@ -272,7 +272,8 @@ def table(rows: list[dict]) -> str:
         f = lambda v: "" if v is None else f"{v:.2f}"  # noqa: E731
         out.append(f"| {r['dataset']} | {r['busy']} | {r['concurrency']} | {r['mode']} | {r['tokens_per_s']:.1f} | "
                    f"{spread} | {rel} | {vs} | {r['requests_per_s']:.3f} | {f(r['latency_p50_s'])} | "
-                   f"{f(r['latency_p95_s'])} | {f(r['ttft_p50_s'])} | {f(r['ttft_p95_s'])} | {r['ok']}/{r['requests']} |")
+                   f"{f(r['latency_p95_s'])} | {f(r['ttft_p50_s'])} | {f(r['ttft_p95_s'])} | "
+                   f"{r['ok']}/{r['requests']} |")
     return "\n".join(out) + "\n"
 
 

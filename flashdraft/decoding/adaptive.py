@@ -5,13 +5,13 @@ Costs, kept per batch size N (the shape the machine sees now): the part of a cyc
 verify of N rows, acceptance and commits) at padded width w, t_v(w), and drafting for D rows, t_d(D): each amount
 measured is the running mean of its own recent measurements (exponential forgetting), so it follows the machine as it
 is now (another process taking the cores shows up within a few cycles); an amount not measured yet is read off the
-line a + c·x through the measured ones. Acceptance: each
-request's drafts are kept with a running rate α (drafts kept / drafts kept + first rejections, from a prior), so a
-width-w block yields E(w) = 1 + α + … + α^(w−1) tokens. The policy scans the widths, lets the rows whose expected
-gain does not pay for their drafter share decode plainly, and keeps the best Σ E / (t_v + t_d). Now and then it tries
-the other choice instead (plain while speculating, every row's widest speculation while not: what the plan would
-weigh), so a wrong choice is measured and undone: first after EXPLORE cycles, then, each time the plan stays as it was, after twice as many (up to
-EXPLORE_MAX), so that a clear choice is not taxed by re-checking it; a change of plan starts over at EXPLORE.
+line a + c·x through the measured ones. Acceptance: each request's drafts are kept with a running rate α (drafts
+kept / drafts kept + first rejections, from a prior), so a width-w block yields E(w) = 1 + α + … + α^(w−1) tokens.
+The policy scans the widths, lets the rows whose expected gain does not pay for their drafter share decode plainly,
+and keeps the best Σ E / (t_v + t_d). Now and then it tries the other choice instead (plain while speculating, every
+row's widest speculation while not: what the plan weighs), so a wrong choice is measured and undone: first after
+EXPLORE cycles, then, each time the plan stays as it was, after twice as many (up to EXPLORE_MAX), so that a clear
+choice is not taxed by re-checking it; a change of plan starts over at EXPLORE.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 HALF_LIFE = 24  # observations: how quickly measured costs forget (contention changes are seen within ~a dozen)
-EXPLORE = 8  # cycles before the other choice is tried (plain if speculating, the narrowest speculation if not) …
+EXPLORE = 8  # cycles before the other choice is tried (plain if speculating, the widest speculation if not) …
 EXPLORE_MAX = 128  # … doubling, while the plan does not change, up to this many
 PRIOR_KEPT, PRIOR_TRIED = 1.0, 2.0  # α starts at 0.5 and moves with each request's own cycles
 
