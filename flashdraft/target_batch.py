@@ -143,8 +143,9 @@ class BatchCache(DynamicCache):
 
 def batch_inputs(blocks: list[list[int]], parents: list[list[int] | None], lens: list[int],
                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Padded ids [N, W], positions [N, W] and what each row's block positions see of its block [N, W, W] bool (a
-    padding position sees itself only, so that no row is empty) of a batched verify."""
+    """Padded ids [N, W] and positions [N, W] on `device`, and what each row's block positions see of its block
+    [N, W, W] bool on the CPU, where the ragged kernel and the mask builder read it (a padding position sees itself
+    only, so that no row is empty), of a batched verify."""
     n, w = len(blocks), max(len(b) for b in blocks)
     ids = torch.zeros(n, w, dtype=torch.long)
     pos = torch.zeros(n, w, dtype=torch.long)
@@ -157,7 +158,7 @@ def batch_inputs(blocks: list[list[int]], parents: list[list[int] | None], lens:
         pos[i] = start + torch.cat([depth, torch.arange(k, w)])  # padding continues past the block, unseen
         see[i, :k, :k] = T.block_visibility(par, k)
         see[i, pad[k:], pad[k:]] = True
-    return ids.to(device), pos.to(device), see.to(device)
+    return ids.to(device), pos.to(device), see
 
 
 def batch_mask(see: torch.Tensor, lens: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -147,8 +147,8 @@ def main() -> int:
         views += [("lean forward, matvec kernel, SDPA", lean, 0),
                   ("lean forward, matvec + ragged attention kernels", lean, L.RAGGED_MAX_WIDTH)]
     ragged_max = L.RAGGED_MAX_WIDTH
-    for name, view, L.RAGGED_MAX_WIDTH in views:
-        model.flashdraft_lean = view
+    for name, view, width in views:
+        model.flashdraft_lean, L.RAGGED_MAX_WIDTH = view, width
         results[name] = [measure(model, r, w, args.context, args.reps, layer_ids) for r, w in CELLS]
         print(table({name: results[name]}, None), file=sys.stderr, flush=True)
     model.flashdraft_lean, L.RAGGED_MAX_WIDTH = lean, ragged_max
