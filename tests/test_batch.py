@@ -421,12 +421,13 @@ def test_leaving_from_the_middle_outside_inference_mode():
 def test_exploration_backs_off_while_the_plan_holds_and_restarts_when_it_changes():
     """A clear choice is re-checked ever more rarely (each try costs a cycle of the worse choice); when measured
     costs flip the plan, tries come every EXPLORE cycles again. While not speculating, a try is every row's widest
-    speculation: the verify whose cost the plan weighs."""
-    from flashdraft.decoding.adaptive import EXPLORE, EXPLORE_MAX
+    speculation: the verify whose cost the plan weighs. A try that would cost much is spaced further (its expected
+    cost under TRY_TAX of the time)."""
+    from flashdraft.decoding.adaptive import EXPLORE, EXPLORE_MAX, TRY_TAX, try_interval
 
     policy = AdaptivePolicy(4)
     rows = [Row(Acceptance(kept=9, rejected=1), 4) for _ in range(2)]  # α = 0.9
-    policy.observe(2, 4, 0.010, 2, 0.001)  # verifying 4 costs about a plain step: speculate
+    policy.observe(2, 4, 0.030, 2, 0.001)  # verifying 4 costs 3 plain steps for ~3.4 tokens: speculate (a try is cheap)
     policy.observe(2, 1, 0.010, 0, 0.0)
     tries = []
     for _ in range(600):
@@ -442,6 +443,12 @@ def test_exploration_backs_off_while_the_plan_holds_and_restarts_when_it_changes
     assert policy.speculating is False and policy.interval == EXPLORE  # the plan changed: re-checked soon
     widths = [policy.choose(rows) for _ in range(EXPLORE)]
     assert [4, 4] in widths and [2, 2] not in widths  # the try is the widest speculation
+    verify, draft = policy.costs(2)  # a try now: ~0.11 s for the tokens plain decoding emits in 0.010 s a pair
+    try_s, tokens = verify.predict(4) + draft.predict(2), sum(r.expected_tokens(4) for r in rows)
+    assert try_s == pytest.approx(0.110, rel=0.02)
+    wasted = try_s - tokens * verify.predict(1) / 2
+    assert try_interval(rows, [1, 1], verify, draft) == pytest.approx(wasted / (TRY_TAX * verify.predict(1)))
+    assert try_interval(rows, [1, 1], verify, draft) > EXPLORE_MAX  # tries of it are as rare as they get
 
 
 def test_speculation_resumes_when_contention_ends():
@@ -453,7 +460,7 @@ def test_speculation_resumes_when_contention_ends():
     from flashdraft.decoding.adaptive import EXPLORE_MAX
 
     policy = AdaptivePolicy(8)
-    rows = [Row(Acceptance(kept=6, rejected=4), 8, span=4)]  # α = 0.6: E = 2.18 tokens a tree
+    rows = [Row(Acceptance(kept=60, rejected=40), 8, span=4)]  # α = 0.6 (well measured): E ≈ 2.2 tokens a tree
     cost = {1: 0.070, 2: 0.090, 8: 0.200}
     tries_after = []
     for cycle in range(60 + EXPLORE_MAX + 2):
@@ -468,3 +475,68 @@ def test_speculation_resumes_when_contention_ends():
         if tries_after and cycle > tries_after[0]:
             break
     assert tries_after and policy.speculating and cycle == tries_after[0] + 1, (tries_after, cycle)
+
+
+class _Plain:
+    def choose(self, rows: list[Row]) -> list[int]:
+        return [1] * len(rows)
+
+    def observe(self, *args) -> None:
+        pass
+
+
+def _replay(policy, alphas: list[float], costs: tuple, switch: float, seed: int, cycles: int = 400) -> float:
+    """Tokens per second of `policy` on a simulated contended machine: a batch of requests of 128 tokens drafting
+    trees (4 levels, 8 positions; a slot's requests accept a level with its own probability), each finished one
+    replaced by the next (its acceptance seeded from the pool, as the decoder does); a verify costs a + c·(w − 1),
+    the pair (a, c) flipping between a calm and a contended machine with probability `switch` a cycle, times
+    log-normal jitter, and one cycle in ten is descheduled (twice as long): the cycle-to-cycle jumps measured under
+    two busy processes."""
+    import math
+    import random
+
+    from flashdraft.decoding.adaptive import pooled_acceptance
+
+    machine, drafts = random.Random(seed), random.Random(-seed)  # apart: every policy meets the same machine
+    pool = pooled_acceptance()
+    accs, owed = [Acceptance.seeded(pool) for _ in alphas], [128] * len(alphas)
+    state, seconds, tokens = 0, 0.0, 0
+    for _ in range(cycles):
+        widths = policy.choose([Row(a, min(8, n), span=min(4, n)) for a, n in zip(accs, owed)])
+        state = 1 - state if machine.random() < switch else state
+        a, c = costs[state]
+        width, drafting = max(widths), sum(w > 1 for w in widths)
+        slow = math.exp(machine.gauss(0, 0.15)) * (2.0 if machine.random() < 0.1 else 1.0)
+        verify, draft = (a + c * (width - 1)) * slow, (0.006 + 0.004 * drafting) * slow if drafting else 0.0
+        for i, (w, alpha) in enumerate(zip(widths, alphas)):
+            kept = 0
+            while w > 1 and kept < min(3, owed[i] - 1) and drafts.random() < alpha:
+                kept += 1
+            if w > 1:
+                accs[i].observe(min(3, owed[i] - 1), kept)
+            tokens, owed[i] = tokens + 1 + kept, owed[i] - 1 - kept
+            if owed[i] <= 0:
+                accs[i], owed[i] = Acceptance.seeded(pool), 128
+        seconds += verify + draft
+        policy.observe(len(widths), width, verify, drafting, draft)
+    return tokens / seconds
+
+
+@pytest.mark.parametrize("rows,costs", [
+    (1, ((0.021, 0.001), (0.042, 0.002))),  # one request, trees nearly free: speculate
+    (1, ((0.021, 0.002), (0.040, 0.008))),  # the busy one-client cell's costs (calm 21/36 ms, contended 40/98)
+    (1, ((0.030, 0.013), (0.060, 0.026))),  # trees cost 4× a step: plain
+    (4, ((0.035, 0.002), (0.070, 0.004))),  # four requests: a tie
+    (4, ((0.035, 0.012), (0.070, 0.030))),  # four requests, verify compute-bound: plain
+])
+@pytest.mark.parametrize("switch", [0.0, 0.02])
+def test_adaptive_policy_never_loses_on_a_contended_machine(rows, costs, switch):
+    """On a simulated machine whose costs jump from cycle to cycle and between calm and contended spells, the
+    adaptive policy delivers ≥ 0.95× the tokens per second of the better of always speculating and never (mean of
+    8 seeds). A policy that cannot tell (fixed, or plain) fails at least one of these cases by far."""
+    from flashdraft.decoding.adaptive import FixedPolicy
+
+    alphas = [0.6, 0.3, 0.5, 0.8][:rows]
+    rate = {name: sum(_replay(make(), alphas, costs, switch, seed) for seed in range(8)) / 8
+            for name, make in (("adaptive", lambda: AdaptivePolicy(8)), ("fixed", FixedPolicy), ("plain", _Plain))}
+    assert rate["adaptive"] >= 0.95 * max(rate["fixed"], rate["plain"]), rate

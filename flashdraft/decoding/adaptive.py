@@ -6,22 +6,30 @@ verify of N rows, acceptance and commits) at padded width w, t_v(w), and draftin
 measured is the running mean of its own recent measurements (exponential forgetting), so it follows the machine as it
 is now (another process taking the cores shows up within a few cycles); an amount not measured yet is read off the
 line a + c·x through the measured ones. Acceptance: each request's drafts are kept with a running rate α (drafts
-kept / drafts kept + first rejections, from a prior), so a width-w block yields E(w) = 1 + α + … + α^(w−1) tokens.
-The policy scans the widths, lets the rows whose expected gain does not pay for their drafter share decode plainly,
-and keeps the best Σ E / (t_v + t_d). Now and then it tries the other choice instead (plain while speculating, every
-row's widest speculation while not: what the plan weighs), so a wrong choice is measured and undone: first after
-EXPLORE cycles, then, each time the plan stays as it was, after twice as many (up to EXPLORE_MAX), so that a clear
+kept / drafts kept + first rejections, from a prior: the pooled rate of the requests before it), so a width-w block
+yields E(w) = 1 + α + … + α^(w−1) tokens, taken one standard error optimistic (a request decoding plainly is not
+measured, so a low estimate from a few unlucky cycles must not keep it plain). The policy scans the widths, lets the
+rows whose expected gain does not pay for their drafter share decode plainly, and keeps the best Σ E / (t_v + t_d);
+it turns speculation on or off only for a gain above SWITCH_MARGIN. Now and then it tries the other choice instead
+(plain while speculating, every row's widest speculation while not: what the plan weighs), so a wrong choice is
+measured and undone: first after EXPLORE cycles, then, each time the plan stays as it was, after twice as many (and
+at least as many as keep the tries' expected cost under TRY_TAX of the time; up to EXPLORE_MAX), so that a clear
 choice is not taxed by re-checking it; a change of plan starts over at EXPLORE.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 HALF_LIFE = 24  # observations: how quickly measured costs forget (contention changes are seen within ~a dozen)
 EXPLORE = 8  # cycles before the other choice is tried (plain if speculating, the widest speculation if not) …
 EXPLORE_MAX = 128  # … doubling, while the plan does not change, up to this many
-PRIOR_KEPT, PRIOR_TRIED = 1.0, 2.0  # α starts at 0.5 and moves with each request's own cycles
+TRY_TAX = 0.01  # … and at least as many as keep the expected cost of tries under this share of the time
+PRIOR_KEPT, PRIOR_TRIED = 1.0, 2.0  # α starts at 0.5 and moves with each request's own cycles …
+PRIOR_POOLED = 8.0  # … or, in a decoder, at the rate of the requests before it, worth this many drafts
+POOL_HALF_LIFE = 256  # cycles: how quickly the pooled acceptance of all requests forgets
+OPTIMISM = 1.0  # standard errors added to α (an estimate from few cycles is not trusted to rule speculation out)
+SWITCH_MARGIN = 0.05  # the plan turns speculation on or off only for an expected gain of more than this
 
 
 class CostModel:
@@ -76,24 +84,48 @@ class CostModel:
 
 @dataclass
 class Acceptance:
-    """A request's running draft acceptance: drafts kept, and cycles that ended in a rejection."""
+    """A request's running draft acceptance: drafts kept, and cycles that ended in a rejection; with decay < 1 the
+    counts forget (the pool of all requests' cycles, which seeds a new request's prior)."""
 
     kept: float = PRIOR_KEPT
     rejected: float = PRIOR_TRIED - PRIOR_KEPT
+    decay: float = 1.0
+    pool: Acceptance | None = field(default=None, repr=False)  # told every observation too
+
+    @classmethod
+    def seeded(cls, pool: Acceptance) -> Acceptance:
+        """A new request's acceptance: the pool's rate as its prior (a request is most likely like the ones before
+        it; starting from 1/2 kept a good drafter's requests decoding plainly until a try measured them)."""
+        return cls(PRIOR_POOLED * pool.rate, PRIOR_POOLED * (1 - pool.rate), pool=pool)
 
     def observe(self, drafts: int, accepted: int) -> None:
         if drafts:
-            self.kept += accepted
-            self.rejected += accepted < drafts
+            self.kept = self.kept * self.decay + accepted
+            self.rejected = self.rejected * self.decay + (accepted < drafts)
+            if self.pool is not None:
+                self.pool.observe(drafts, accepted)
 
     @property
     def rate(self) -> float:
         return self.kept / (self.kept + self.rejected)
 
+    @property
+    def optimistic_rate(self) -> float:
+        """The rate plus one standard error: while a request decodes plainly its rate is not measured, so a low
+        estimate from a few unlucky cycles would otherwise stay and keep it plain (optimism in the face of
+        uncertainty; the error shrinks as the request's cycles come in)."""
+        r, n = self.rate, self.kept + self.rejected
+        return r + (r * (1 - r) / n) ** 0.5 * OPTIMISM
+
     def expected_tokens(self, width: int) -> float:
         """Tokens a cycle emits verifying `width` positions (the anchor and width − 1 drafts)."""
-        a = min(self.rate, 0.999)
+        a = min(self.optimistic_rate, 0.999)
         return (1 - a ** width) / (1 - a)
+
+
+def pooled_acceptance() -> Acceptance:
+    """The acceptance of every request's cycles, recent ones weighing most: the prior of the next request."""
+    return Acceptance(decay=0.5 ** (1 / POOL_HALF_LIFE))
 
 
 @dataclass
@@ -114,15 +146,19 @@ class Row:
         return self.acceptance.expected_tokens(width if self.span is None or width == 1 else self.span)
 
 
-def plan(rows: list[Row], widths: list[int], verify: CostModel, draft: CostModel) -> tuple[float, list[int]]:
+def plan(rows: list[Row], widths: list[int], verify: CostModel, draft: CostModel,
+         speculate: bool | None = None) -> tuple[float, list[int]]:
     """(expected tokens per second, each row's width) of the best plan over the candidate batch widths, with this
-    batch size's costs: verify(padded width) and draft(drafting rows)."""
+    batch size's costs: verify(padded width) and draft(drafting rows); speculate=True/False: the best plan that
+    speculates / does not."""
     best = (-1.0, [1] * len(rows))
+    if speculate is False:
+        return len(rows) / max(verify.predict(1), 1e-9), best[1]
     for w in widths:
         own = [r.width(w) for r in rows]
         gain = [r.expected_tokens(k) - 1 for r, k in zip(rows, own)]
         spec = sorted((i for i, k in enumerate(own) if k > 1), key=lambda i: gain[i])
-        while True:  # rows drop out of speculation, least useful first, while that speeds the batch up
+        while spec or speculate is None:  # rows drop out of speculation, least useful first, while that pays
             width = max((own[i] for i in spec), default=1)
             cost = verify.predict(width) + (draft.predict(len(spec)) if spec else 0.0)
             rate = (len(rows) + sum(gain[i] for i in spec)) / max(cost, 1e-9)
@@ -132,6 +168,22 @@ def plan(rows: list[Row], widths: list[int], verify: CostModel, draft: CostModel
                 break
             spec.pop(0)
     return best
+
+
+def try_interval(rows: list[Row], chosen: list[int], verify: CostModel, draft: CostModel) -> float:
+    """Cycles between tries that keep their expected cost under TRY_TAX of the time: a try (the other choice: plain
+    while `chosen` speculates, every row's widest speculation while not) costs the seconds it takes beyond what the
+    chosen plan would take for the tokens it is expected to emit."""
+    def seconds_tokens(widths: list[int]) -> tuple[float, float]:
+        drafting = sum(w > 1 for w in widths)
+        cost = verify.predict(max(widths)) + (draft.predict(drafting) if drafting else 0.0)
+        return cost, sum(r.expected_tokens(w) for r, w in zip(rows, widths))
+
+    now_s, now_tokens = seconds_tokens(chosen)
+    other = [1] * len(rows) if max(chosen) > 1 else [r.max_width for r in rows]
+    try_s, try_tokens = seconds_tokens(other)
+    extra = try_s - try_tokens * now_s / max(now_tokens, 1e-9)
+    return max(extra, 0.0) / (TRY_TAX * max(now_s, 1e-9))
 
 
 class AdaptivePolicy:
@@ -156,12 +208,17 @@ class AdaptivePolicy:
         if self.cycle >= self.next_try:  # the choice that matters most, speculate or not, stays measured both ways
             self.tried, self.next_try = self.cycle, float("inf")  # the plan of the next cycle sets the next try
             return [1] * len(rows) if self.speculating else [r.max_width for r in rows]
-        chosen = plan(rows, self.widths, verify, draft)[1]
+        rate, chosen = plan(rows, self.widths, verify, draft)
         speculating = max(chosen) > 1
+        if speculating != self.speculating:  # the expected gain of a switch must beat the noise of its estimate
+            kept_rate, kept = plan(rows, self.widths, verify, draft, speculate=self.speculating)
+            if kept_rate > 0 and rate < (1 + SWITCH_MARGIN) * kept_rate:
+                chosen, speculating = kept, self.speculating
         if speculating != self.speculating:  # the plan changed (after a try, or as costs moved): re-check it soon
             self.interval, self.next_try = EXPLORE, self.cycle + EXPLORE
-        elif self.tried:  # a try confirmed the plan: re-check it half as often
-            self.interval = min(2 * self.interval, EXPLORE_MAX)
+        elif self.tried:  # a try confirmed the plan: re-check it half as often, or rarer if a try costs much
+            lower = try_interval(rows, chosen, verify, draft)
+            self.interval = min(max(2 * self.interval, lower), EXPLORE_MAX)
             self.next_try = self.tried + self.interval
         self.tried = 0
         self.speculating = speculating

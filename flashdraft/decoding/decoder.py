@@ -25,7 +25,7 @@ from ..drafter import DFlashDrafter, draft_hidden, draft_hidden_batch, proposal_
 from ..errors import FlashdraftError
 from ..heap import trim_heap
 from ..target_batch import BatchCache, forward_batch, supports_batch
-from .adaptive import AdaptivePolicy, FixedPolicy, Row
+from .adaptive import Acceptance, AdaptivePolicy, FixedPolicy, Row, pooled_acceptance
 from .loop import accept, pick
 from .proposers import (LoopProposer, Proposal, Proposer, as_proposer, chain_from_pass, graft, lookup_proposal,
                         no_drafts, tree_from_pass)
@@ -63,6 +63,7 @@ class Decoder:
                               drafter.config.target_layer_ids if drafter is not None else [])
         block = self.settings.resolve(drafter.config.block_size if drafter else None).block_size
         self.policy = AdaptivePolicy(max(block, 1 + (self.settings.tree or 0))) if adaptive else FixedPolicy()
+        self.acceptance = pooled_acceptance()  # every request's cycles: the prior of the next request's
         self.vocab = T.vocab_size(model)
 
     # ---------------------------------------------------------------- joining and leaving
@@ -84,6 +85,7 @@ class Decoder:
             raise FlashdraftError("block size > 1 needs a drafter; pass one or use block size 1")
         T.check_prompt(self.model, prompt_ids)
         q = Request.open(prompt_ids, s, T.context_limit(self.model), key, self.device)
+        q.acceptance = Acceptance.seeded(self.acceptance)
         if propose is not None:
             q.proposer = as_proposer(propose)
         elif d is not None and s.block_size > 1 and s.loop_stages > 1:
