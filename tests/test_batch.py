@@ -433,14 +433,14 @@ def test_exploration_backs_off_while_the_plan_holds_and_restarts_when_it_changes
     for _ in range(600):
         widths = policy.choose(rows)
         if widths == [1, 1]:
-            tries.append(policy.cycle)
+            tries.append(policy.state(2).cycle)
     gaps = [b - a for a, b in zip(tries, tries[1:])]
     assert tries[0] == EXPLORE and gaps[:3] == [2 * EXPLORE, 4 * EXPLORE, 8 * EXPLORE] and max(gaps) == EXPLORE_MAX
     for _ in range(60):  # verifying 4 turns out to cost ten plain steps: plain decoding wins
         policy.observe(2, 4, 0.100, 2, 0.010)
-    while policy.choose(rows) == [1, 1] and policy.speculating:  # a pending try, if any
+    while policy.choose(rows) == [1, 1] and policy.state(2).speculating:  # a pending try, if any
         pass
-    assert policy.speculating is False and policy.interval == EXPLORE  # the plan changed: re-checked soon
+    assert policy.state(2).speculating is False and policy.state(2).interval == EXPLORE  # the plan changed: re-check
     widths = [policy.choose(rows) for _ in range(EXPLORE)]
     assert [4, 4] in widths and [2, 2] not in widths  # the try is the widest speculation
     verify, draft = policy.costs(2)  # a try now: ~0.11 s for the tokens plain decoding emits in 0.010 s a pair
@@ -468,13 +468,35 @@ def test_speculation_resumes_when_contention_ends():
             cost = {1: 0.033, 2: 0.040, 8: 0.043}
         w = max(policy.choose(rows))
         if cycle == 59:
-            assert not policy.speculating
-        if cycle >= 60 and not policy.speculating and w > 1:
+            assert not policy.state(1).speculating
+        if cycle >= 60 and not policy.state(1).speculating and w > 1:
             tries_after.append(cycle)
         policy.observe(1, w, cost[w], 1 if w > 1 else 0, 0.001 if w > 1 else 0.0)
         if tries_after and cycle > tries_after[0]:
             break
-    assert tries_after and policy.speculating and cycle == tries_after[0] + 1, (tries_after, cycle)
+    assert tries_after and policy.state(1).speculating and cycle == tries_after[0] + 1, (tries_after, cycle)
+
+
+def test_each_batch_size_keeps_its_own_plan_and_tries():
+    """Requests coming and going move the batch between sizes where different choices are right (one request:
+    speculate; two: plain). Each size keeps its own plan and try rhythm, so the switches between sizes do not reset
+    the tries to every EXPLORE cycles (as one shared plan did: a fifth of the cycles at two rows were tries)."""
+    from flashdraft.decoding.adaptive import EXPLORE_MAX
+
+    policy = AdaptivePolicy(8)
+    acc = Acceptance(kept=60, rejected=40)
+    cost = {(1, 1): 0.020, (1, 8): 0.025, (2, 1): 0.022, (2, 8): 0.090}
+    tries, plain_alone = [], 0
+    for cycle in range(3000):
+        n = 1 if (cycle // 20) % 2 else 2  # 20 cycles at each size in turn
+        w = max(policy.choose([Row(acc, 8, span=4) for _ in range(n)]))
+        if n == 2 and w > 1:
+            tries.append(policy.state(2).cycle)
+        plain_alone += n == 1 and w == 1
+        policy.observe(n, w, cost[n, w], n if w > 1 else 0, 0.004 if w > 1 else 0.0)
+    gaps = [b - a for a, b in zip(tries, tries[1:])]
+    assert policy.state(2).speculating is False and max(gaps) == EXPLORE_MAX and len(tries) < 30, gaps
+    assert policy.state(1).speculating and plain_alone < 30
 
 
 class _Plain:

@@ -28,7 +28,7 @@ TRY_TAX = 0.01  # … and at least as many as keep the expected cost of tries un
 PRIOR_KEPT, PRIOR_TRIED = 1.0, 2.0  # α starts at 0.5 and moves with each request's own cycles …
 PRIOR_POOLED = 8.0  # … or, in a decoder, at the rate of the requests before it, worth this many drafts
 POOL_HALF_LIFE = 256  # cycles: how quickly the pooled acceptance of all requests forgets
-OPTIMISM = 1.0  # standard errors added to α (an estimate from few cycles is not trusted to rule speculation out)
+OPTIMISM = 1.0  # standard errors added to α (a few unlucky cycles must not end speculation)
 SWITCH_MARGIN = 0.05  # the plan turns speculation on or off only for an expected gain of more than this
 
 
@@ -109,17 +109,11 @@ class Acceptance:
     def rate(self) -> float:
         return self.kept / (self.kept + self.rejected)
 
-    @property
-    def optimistic_rate(self) -> float:
-        """The rate plus one standard error: while a request decodes plainly its rate is not measured, so a low
-        estimate from a few unlucky cycles would otherwise stay and keep it plain (optimism in the face of
-        uncertainty; the error shrinks as the request's cycles come in)."""
+    def expected_tokens(self, width: int, optimism: float = 0.0) -> float:
+        """Tokens a cycle emits verifying `width` positions (the anchor and width − 1 drafts), with the rate raised by
+        `optimism` standard errors (the error shrinks as the request's cycles come in)."""
         r, n = self.rate, self.kept + self.rejected
-        return r + (r * (1 - r) / n) ** 0.5 * OPTIMISM
-
-    def expected_tokens(self, width: int) -> float:
-        """Tokens a cycle emits verifying `width` positions (the anchor and width − 1 drafts)."""
-        a = min(self.optimistic_rate, 0.999)
+        a = min(r + optimism * (r * (1 - r) / n) ** 0.5, 0.999)
         return (1 - a ** width) / (1 - a)
 
 
@@ -142,21 +136,21 @@ class Row:
             return self.max_width if w > 1 else 1
         return min(w, self.max_width)
 
-    def expected_tokens(self, width: int) -> float:
-        return self.acceptance.expected_tokens(width if self.span is None or width == 1 else self.span)
+    def expected_tokens(self, width: int, optimism: float = 0.0) -> float:
+        return self.acceptance.expected_tokens(width if self.span is None or width == 1 else self.span, optimism)
 
 
 def plan(rows: list[Row], widths: list[int], verify: CostModel, draft: CostModel,
-         speculate: bool | None = None) -> tuple[float, list[int]]:
+         speculate: bool | None = None, optimism: float = 0.0) -> tuple[float, list[int]]:
     """(expected tokens per second, each row's width) of the best plan over the candidate batch widths, with this
     batch size's costs: verify(padded width) and draft(drafting rows); speculate=True/False: the best plan that
-    speculates / does not."""
+    speculates / does not; optimism: standard errors added to each row's acceptance rate."""
     best = (-1.0, [1] * len(rows))
     if speculate is False:
         return len(rows) / max(verify.predict(1), 1e-9), best[1]
     for w in widths:
         own = [r.width(w) for r in rows]
-        gain = [r.expected_tokens(k) - 1 for r, k in zip(rows, own)]
+        gain = [r.expected_tokens(k, optimism) - 1 for r, k in zip(rows, own)]
         spec = sorted((i for i, k in enumerate(own) if k > 1), key=lambda i: gain[i])
         while spec or speculate is None:  # rows drop out of speculation, least useful first, while that pays
             width = max((own[i] for i in spec), default=1)
@@ -170,14 +164,15 @@ def plan(rows: list[Row], widths: list[int], verify: CostModel, draft: CostModel
     return best
 
 
-def try_interval(rows: list[Row], chosen: list[int], verify: CostModel, draft: CostModel) -> float:
+def try_interval(rows: list[Row], chosen: list[int], verify: CostModel, draft: CostModel,
+                 optimism: float = 0.0) -> float:
     """Cycles between tries that keep their expected cost under TRY_TAX of the time: a try (the other choice: plain
     while `chosen` speculates, every row's widest speculation while not) costs the seconds it takes beyond what the
     chosen plan would take for the tokens it is expected to emit."""
     def seconds_tokens(widths: list[int]) -> tuple[float, float]:
         drafting = sum(w > 1 for w in widths)
         cost = verify.predict(max(widths)) + (draft.predict(drafting) if drafting else 0.0)
-        return cost, sum(r.expected_tokens(w) for r, w in zip(rows, widths))
+        return cost, sum(r.expected_tokens(w, optimism) for r, w in zip(rows, widths))
 
     now_s, now_tokens = seconds_tokens(chosen)
     other = [1] * len(rows) if max(chosen) > 1 else [r.max_width for r in rows]
@@ -186,42 +181,60 @@ def try_interval(rows: list[Row], chosen: list[int], verify: CostModel, draft: C
     return max(extra, 0.0) / (TRY_TAX * max(now_s, 1e-9))
 
 
+@dataclass
+class BatchSize:
+    """What the policy keeps for one batch size: its costs, its choice and the rhythm of its tries. Each batch size
+    is its own machine (at 2 rows plain decoding may be right where at 1 speculation is): when requests come and go,
+    one size's plan and tries must not reset another's."""
+
+    verify: CostModel = field(default_factory=CostModel)  # a cycle's cost but drafting, by padded width
+    draft: CostModel = field(default_factory=CostModel)  # drafting's cost, by rows drafted
+    cycle: int = 0  # this batch size's cycles so far
+    speculating: bool = True
+    interval: float = EXPLORE
+    next_try: float = EXPLORE
+    tried: int = 0  # the cycle of a try whose outcome the next plan judges (0: none pending)
+
+
 class AdaptivePolicy:
     """Chooses each cycle's widths from the costs measured at the current batch size; told each cycle's costs."""
 
     def __init__(self, max_width: int):
         self.widths = sorted({1, 2, 3, 4, 6, 8, 12, 16, max_width} & set(range(1, max_width + 1)))
-        self.verify: dict[int, CostModel] = {}  # per batch size: a cycle's cost but drafting, by padded width
-        self.draft: dict[int, CostModel] = {}  # per batch size: drafting's cost, by rows drafted
-        self.cycle, self.speculating = 0, True
-        self.interval, self.next_try = EXPLORE, EXPLORE
-        self.tried = 0  # the cycle of a try whose outcome the next plan judges (0: none pending)
+        self.sizes: dict[int, BatchSize] = {}
+
+    def state(self, rows: int) -> BatchSize:
+        return self.sizes.setdefault(rows, BatchSize())
 
     def costs(self, rows: int) -> tuple[CostModel, CostModel]:
-        return self.verify.setdefault(rows, CostModel()), self.draft.setdefault(rows, CostModel())
+        b = self.state(rows)
+        return b.verify, b.draft
 
     def choose(self, rows: list[Row]) -> list[int]:
-        self.cycle += 1
-        verify, draft = self.costs(len(rows))
-        if len(verify.amounts) < 2:  # a batch size met first: measure its widest cycle, then a plain one
-            return [r.max_width for r in rows] if not verify.seen else [1] * len(rows)
-        if self.cycle >= self.next_try:  # the choice that matters most, speculate or not, stays measured both ways
-            self.tried, self.next_try = self.cycle, float("inf")  # the plan of the next cycle sets the next try
-            return [1] * len(rows) if self.speculating else [r.max_width for r in rows]
-        rate, chosen = plan(rows, self.widths, verify, draft)
+        b = self.state(len(rows))
+        b.cycle += 1
+        if len(b.verify.amounts) < 2:  # a batch size met first: measure its widest cycle, then a plain one
+            return [r.max_width for r in rows] if not b.verify.seen else [1] * len(rows)
+        if b.cycle >= b.next_try:  # the choice that matters most, speculate or not, stays measured both ways
+            b.tried, b.next_try = b.cycle, float("inf")  # the plan of the next cycle sets the next try
+            return [1] * len(rows) if b.speculating else [r.max_width for r in rows]
+        # Acceptance is judged optimistically: a request decoding plainly is not measured, so a low estimate from a few
+        # unlucky cycles would otherwise end speculation and stay, unmeasured, until a try
+        optimism = OPTIMISM
+        rate, chosen = plan(rows, self.widths, b.verify, b.draft, optimism=optimism)
         speculating = max(chosen) > 1
-        if speculating != self.speculating:  # the expected gain of a switch must beat the noise of its estimate
-            kept_rate, kept = plan(rows, self.widths, verify, draft, speculate=self.speculating)
+        if speculating != b.speculating:  # the expected gain of a switch must beat the noise of its estimate
+            kept_rate, kept = plan(rows, self.widths, b.verify, b.draft, b.speculating, optimism)
             if kept_rate > 0 and rate < (1 + SWITCH_MARGIN) * kept_rate:
-                chosen, speculating = kept, self.speculating
-        if speculating != self.speculating:  # the plan changed (after a try, or as costs moved): re-check it soon
-            self.interval, self.next_try = EXPLORE, self.cycle + EXPLORE
-        elif self.tried:  # a try confirmed the plan: re-check it half as often, or rarer if a try costs much
-            lower = try_interval(rows, chosen, verify, draft)
-            self.interval = min(max(2 * self.interval, lower), EXPLORE_MAX)
-            self.next_try = self.tried + self.interval
-        self.tried = 0
-        self.speculating = speculating
+                chosen, speculating = kept, b.speculating
+        if speculating != b.speculating:  # the plan changed (after a try, or as costs moved): re-check it soon
+            b.interval, b.next_try = EXPLORE, b.cycle + EXPLORE
+        elif b.tried:  # a try confirmed the plan: re-check it half as often, or rarer if a try costs much
+            lower = try_interval(rows, chosen, b.verify, b.draft, optimism)
+            b.interval = min(max(2 * b.interval, lower), EXPLORE_MAX)
+            b.next_try = b.tried + b.interval
+        b.tried = 0
+        b.speculating = speculating
         return chosen
 
     def observe(self, rows: int, width: int, verify_s: float, drafting_rows: int, draft_s: float) -> None:
