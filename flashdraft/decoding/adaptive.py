@@ -7,14 +7,13 @@ measured is the running mean of its own recent measurements (exponential forgett
 is now (another process taking the cores shows up within a few cycles); an amount not measured yet is read off the
 line a + c·x through the measured ones. Acceptance: each request's drafts are kept with a running rate α (drafts
 kept / drafts kept + first rejections, from a prior: the pooled rate of the requests before it), so a width-w block
-yields E(w) = 1 + α + … + α^(w−1) tokens, taken one standard error optimistic (a request decoding plainly is not
-measured, so a low estimate from a few unlucky cycles must not keep it plain). The policy scans the widths, lets the
-rows whose expected gain does not pay for their drafter share decode plainly, and keeps the best Σ E / (t_v + t_d);
-it turns speculation on or off only for a gain above SWITCH_MARGIN. Now and then it tries the other choice instead
-(plain while speculating, every row's widest speculation while not: what the plan weighs), so a wrong choice is
-measured and undone: first after EXPLORE cycles, then, each time the plan stays as it was, after twice as many (and
-at least as many as keep the tries' expected cost under TRY_TAX of the time; up to EXPLORE_MAX), so that a clear
-choice is not taxed by re-checking it; a change of plan starts over at EXPLORE.
+yields E(w) = 1 + α + … + α^(w−1) tokens. The policy scans the widths, lets the rows whose expected gain does not
+pay for their drafter share decode plainly, and keeps the best Σ E / (t_v + t_d); it turns speculation on or off only
+for a gain above SWITCH_MARGIN. Each batch size keeps its own costs, plan and tries. Now and then it tries the other
+choice instead (plain while speculating, every row's widest speculation while not: what the plan weighs), so a wrong
+choice is measured and undone: first after EXPLORE cycles, then, each time the plan stays as it was, after twice as
+many (and at least as many as keep the tries' expected cost under TRY_TAX of the time; up to EXPLORE_MAX), so that a
+clear choice is not taxed by re-checking it; a change of plan starts over at EXPLORE.
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ TRY_TAX = 0.01  # … and at least as many as keep the expected cost of tries un
 PRIOR_KEPT, PRIOR_TRIED = 1.0, 2.0  # α starts at 0.5 and moves with each request's own cycles …
 PRIOR_POOLED = 8.0  # … or, in a decoder, at the rate of the requests before it, worth this many drafts
 POOL_HALF_LIFE = 256  # cycles: how quickly the pooled acceptance of all requests forgets
-OPTIMISM = 1.0  # standard errors added to α (a few unlucky cycles must not end speculation)
 SWITCH_MARGIN = 0.05  # the plan turns speculation on or off only for an expected gain of more than this
 
 
@@ -109,11 +107,9 @@ class Acceptance:
     def rate(self) -> float:
         return self.kept / (self.kept + self.rejected)
 
-    def expected_tokens(self, width: int, optimism: float = 0.0) -> float:
-        """Tokens a cycle emits verifying `width` positions (the anchor and width − 1 drafts), with the rate raised by
-        `optimism` standard errors (the error shrinks as the request's cycles come in)."""
-        r, n = self.rate, self.kept + self.rejected
-        a = min(r + optimism * (r * (1 - r) / n) ** 0.5, 0.999)
+    def expected_tokens(self, width: int) -> float:
+        """Tokens a cycle emits verifying `width` positions (the anchor and width − 1 drafts)."""
+        a = min(self.rate, 0.999)
         return (1 - a ** width) / (1 - a)
 
 
@@ -136,21 +132,21 @@ class Row:
             return self.max_width if w > 1 else 1
         return min(w, self.max_width)
 
-    def expected_tokens(self, width: int, optimism: float = 0.0) -> float:
-        return self.acceptance.expected_tokens(width if self.span is None or width == 1 else self.span, optimism)
+    def expected_tokens(self, width: int) -> float:
+        return self.acceptance.expected_tokens(width if self.span is None or width == 1 else self.span)
 
 
 def plan(rows: list[Row], widths: list[int], verify: CostModel, draft: CostModel,
-         speculate: bool | None = None, optimism: float = 0.0) -> tuple[float, list[int]]:
+         speculate: bool | None = None) -> tuple[float, list[int]]:
     """(expected tokens per second, each row's width) of the best plan over the candidate batch widths, with this
     batch size's costs: verify(padded width) and draft(drafting rows); speculate=True/False: the best plan that
-    speculates / does not; optimism: standard errors added to each row's acceptance rate."""
+    speculates / does not."""
     best = (-1.0, [1] * len(rows))
     if speculate is False:
         return len(rows) / max(verify.predict(1), 1e-9), best[1]
     for w in widths:
         own = [r.width(w) for r in rows]
-        gain = [r.expected_tokens(k, optimism) - 1 for r, k in zip(rows, own)]
+        gain = [r.expected_tokens(k) - 1 for r, k in zip(rows, own)]
         spec = sorted((i for i, k in enumerate(own) if k > 1), key=lambda i: gain[i])
         while spec or speculate is None:  # rows drop out of speculation, least useful first, while that pays
             width = max((own[i] for i in spec), default=1)
@@ -164,15 +160,14 @@ def plan(rows: list[Row], widths: list[int], verify: CostModel, draft: CostModel
     return best
 
 
-def try_interval(rows: list[Row], chosen: list[int], verify: CostModel, draft: CostModel,
-                 optimism: float = 0.0) -> float:
+def try_interval(rows: list[Row], chosen: list[int], verify: CostModel, draft: CostModel) -> float:
     """Cycles between tries that keep their expected cost under TRY_TAX of the time: a try (the other choice: plain
     while `chosen` speculates, every row's widest speculation while not) costs the seconds it takes beyond what the
     chosen plan would take for the tokens it is expected to emit."""
     def seconds_tokens(widths: list[int]) -> tuple[float, float]:
         drafting = sum(w > 1 for w in widths)
         cost = verify.predict(max(widths)) + (draft.predict(drafting) if drafting else 0.0)
-        return cost, sum(r.expected_tokens(w, optimism) for r, w in zip(rows, widths))
+        return cost, sum(r.expected_tokens(w) for r, w in zip(rows, widths))
 
     now_s, now_tokens = seconds_tokens(chosen)
     other = [1] * len(rows) if max(chosen) > 1 else [r.max_width for r in rows]
@@ -218,19 +213,16 @@ class AdaptivePolicy:
         if b.cycle >= b.next_try:  # the choice that matters most, speculate or not, stays measured both ways
             b.tried, b.next_try = b.cycle, float("inf")  # the plan of the next cycle sets the next try
             return [1] * len(rows) if b.speculating else [r.max_width for r in rows]
-        # Acceptance is judged optimistically: a request decoding plainly is not measured, so a low estimate from a few
-        # unlucky cycles would otherwise end speculation and stay, unmeasured, until a try
-        optimism = OPTIMISM
-        rate, chosen = plan(rows, self.widths, b.verify, b.draft, optimism=optimism)
+        rate, chosen = plan(rows, self.widths, b.verify, b.draft)
         speculating = max(chosen) > 1
         if speculating != b.speculating:  # the expected gain of a switch must beat the noise of its estimate
-            kept_rate, kept = plan(rows, self.widths, b.verify, b.draft, b.speculating, optimism)
+            kept_rate, kept = plan(rows, self.widths, b.verify, b.draft, b.speculating)
             if kept_rate > 0 and rate < (1 + SWITCH_MARGIN) * kept_rate:
                 chosen, speculating = kept, b.speculating
         if speculating != b.speculating:  # the plan changed (after a try, or as costs moved): re-check it soon
             b.interval, b.next_try = EXPLORE, b.cycle + EXPLORE
         elif b.tried:  # a try confirmed the plan: re-check it half as often, or rarer if a try costs much
-            lower = try_interval(rows, chosen, b.verify, b.draft, optimism)
+            lower = try_interval(rows, chosen, b.verify, b.draft)
             b.interval = min(max(2 * b.interval, lower), EXPLORE_MAX)
             b.next_try = b.tried + b.interval
         b.tried = 0
