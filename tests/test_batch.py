@@ -566,3 +566,29 @@ def test_adaptive_policy_never_loses_on_a_contended_machine(rows, costs, floor, 
     rate = {name: sum(_replay(make(), alphas, costs, switch, seed) for seed in range(8)) / 8
             for name, make in (("adaptive", lambda: AdaptivePolicy(8)), ("fixed", FixedPolicy), ("plain", _Plain))}
     assert rate["adaptive"] >= floor * max(rate["fixed"], rate["plain"]), rate
+
+
+def test_cycle_log_accounts_for_every_token_and_its_regret(tmp_path, monkeypatch):
+    """FLASHDRAFT_CYCLE_LOG: one line per cycle (rows, padded width, seconds, tokens); its tokens are every decoded
+    token but each request's first (the prefill's), and scripts/policy_regret.py rates each batch size's choices
+    against the better of the run's own plain and speculative cycles."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    log = tmp_path / "cycles.jsonl"
+    monkeypatch.setenv("FLASHDRAFT_CYCLE_LOG", str(log))
+    target = tiny_target("llama")
+    res = decode_batch(target, random_drafter(target, block_size=4), prompts(4), max_new_tokens=24, max_batch=2)
+    cycles = [json.loads(line) for line in log.read_text().splitlines()]
+    assert sum(c["tokens"] for c in cycles) == sum(len(r.output_ids) - 1 for r in res)
+    assert {c["rows"] for c in cycles} <= {1, 2} and any(c["width"] > 1 for c in cycles)
+
+    path = Path(__file__).parents[1] / "scripts" / "policy_regret.py"
+    spec = importlib.util.spec_from_file_location("policy_regret", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    made = [{"rows": 2, "width": 1, "seconds": 0.1, "tokens": 2}] * 10 + \
+        [{"rows": 2, "width": 4, "seconds": 0.2, "tokens": 5}] * 10  # plain 20 tok/s, speculation 25
+    r = mod.regret(made)
+    assert r[2]["best"] == pytest.approx(25) and r["overall"] == pytest.approx(70 / 75)

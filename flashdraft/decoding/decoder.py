@@ -14,6 +14,8 @@ request at a time on that request's own cache (target.forward), exactly as the t
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from typing import Callable, Iterator
 
@@ -64,6 +66,8 @@ class Decoder:
         block = self.settings.resolve(drafter.config.block_size if drafter else None).block_size
         self.policy = AdaptivePolicy(max(block, 1 + (self.settings.tree or 0))) if adaptive else FixedPolicy()
         self.acceptance = pooled_acceptance()  # every request's cycles: the prior of the next request's
+        log = os.environ.get("FLASHDRAFT_CYCLE_LOG")  # one JSON line a cycle (scripts/policy_regret.py reads it)
+        self.cycle_log = open(log, "a", buffering=1) if log else None
         self.vocab = T.vocab_size(model)
 
     # ---------------------------------------------------------------- joining and leaving
@@ -183,7 +187,11 @@ class Decoder:
         t3 = now(self.device)
         results = [(q, self.guarded(q, self.commit, i, q, p, out, blocks[i]) or Cycle(blocks[i], 0, []))
                    for i, (q, p, out) in enumerate(zip(rows, proposals, outs))]
-        self.policy.observe(len(rows), max(len(b) for b in blocks), now(self.device) - t2, drafting, t2 - t1)
+        t4 = now(self.device)
+        self.policy.observe(len(rows), max(len(b) for b in blocks), t4 - t2, drafting, t2 - t1)
+        if self.cycle_log is not None:
+            self.cycle_log.write(json.dumps({"rows": len(rows), "width": max(len(b) for b in blocks), "seconds": t4 - t1,
+                                             "tokens": sum(len(c.emitted) for _, c in results)}) + "\n")
         for q, _ in results:
             q.timing.draft_s += (t2 - t1) / len(rows)
             q.timing.verify_s += (t3 - t2) / len(rows)
