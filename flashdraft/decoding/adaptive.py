@@ -136,6 +136,11 @@ class Row:
         return self.acceptance.expected_tokens(width if self.span is None or width == 1 else self.span)
 
 
+def cycle_cost(verify: CostModel, draft: CostModel, width: int, drafting: int) -> float:
+    """Predicted seconds of a cycle: the verify at padded width `width`, and drafting for `drafting` rows if any."""
+    return verify.predict(width) + (draft.predict(drafting) if drafting else 0.0)
+
+
 def plan(rows: list[Row], widths: list[int], verify: CostModel, draft: CostModel,
          speculate: bool | None = None) -> tuple[float, list[int]]:
     """(expected tokens per second, each row's width) of the best plan over the candidate batch widths, with this
@@ -149,8 +154,7 @@ def plan(rows: list[Row], widths: list[int], verify: CostModel, draft: CostModel
         gain = [r.expected_tokens(k) - 1 for r, k in zip(rows, own)]
         spec = sorted((i for i, k in enumerate(own) if k > 1), key=lambda i: gain[i])
         while spec or speculate is None:  # rows drop out of speculation, least useful first, while that pays
-            width = max((own[i] for i in spec), default=1)
-            cost = verify.predict(width) + (draft.predict(len(spec)) if spec else 0.0)
+            cost = cycle_cost(verify, draft, max((own[i] for i in spec), default=1), len(spec))
             rate = (len(rows) + sum(gain[i] for i in spec)) / max(cost, 1e-9)
             if rate > best[0]:
                 best = (rate, [own[i] if i in spec else 1 for i in range(len(rows))])
@@ -165,8 +169,7 @@ def try_interval(rows: list[Row], chosen: list[int], verify: CostModel, draft: C
     while `chosen` speculates, every row's widest speculation while not) costs the seconds it takes beyond what the
     chosen plan would take for the tokens it is expected to emit."""
     def seconds_tokens(widths: list[int]) -> tuple[float, float]:
-        drafting = sum(w > 1 for w in widths)
-        cost = verify.predict(max(widths)) + (draft.predict(drafting) if drafting else 0.0)
+        cost = cycle_cost(verify, draft, max(widths), sum(w > 1 for w in widths))
         return cost, sum(r.expected_tokens(w) for r, w in zip(rows, widths))
 
     now_s, now_tokens = seconds_tokens(chosen)

@@ -187,10 +187,10 @@ class Decoder:
         t3 = now(self.device)
         results = [(q, self.guarded(q, self.commit, i, q, p, out, blocks[i]) or Cycle(blocks[i], 0, []))
                    for i, (q, p, out) in enumerate(zip(rows, proposals, outs))]
-        t4 = now(self.device)
-        self.policy.observe(len(rows), max(len(b) for b in blocks), t4 - t2, drafting, t2 - t1)
+        t4, width = now(self.device), max(len(b) for b in blocks)
+        self.policy.observe(len(rows), width, t4 - t2, drafting, t2 - t1)
         if self.cycle_log is not None:
-            self.cycle_log.write(json.dumps({"rows": len(rows), "width": max(len(b) for b in blocks), "seconds": t4 - t1,
+            self.cycle_log.write(json.dumps({"rows": len(rows), "width": width, "seconds": t4 - t1,
                                              "tokens": sum(len(c.emitted) for _, c in results)}) + "\n")
         for q, _ in results:
             q.timing.draft_s += (t2 - t1) / len(rows)
