@@ -9,7 +9,8 @@ line a + c·x through the measured ones. Acceptance: each request's drafts are k
 kept / drafts kept + first rejections, from a prior: the pooled rate of the requests before it), so a width-w block
 yields E(w) = 1 + α + … + α^(w−1) tokens. The policy scans the widths, lets the rows whose expected gain does not
 pay for their drafter share decode plainly, and keeps the best Σ E / (t_v + t_d); it turns speculation on or off only
-for a gain above SWITCH_MARGIN. Each batch size keeps its own costs, plan and tries. Now and then it tries the other
+for a gain above SWITCH_MARGIN. Each batch size keeps its own costs, plan and tries; one met first starts as the nearest
+measured size decided, planning on that size's costs scaled to its own first cycle. Now and then it tries the other
 choice instead (plain while speculating, every row's widest speculation while not: what the plan weighs), so a wrong
 choice is measured and undone: first after EXPLORE cycles, then, each time the plan stays as it was, after twice as
 many (and at least as many as keep the tries' expected cost under TRY_TAX of the time; up to EXPLORE_MAX), so that a
@@ -136,12 +137,29 @@ class Row:
         return self.acceptance.expected_tokens(width if self.span is None or width == 1 else self.span)
 
 
-def cycle_cost(verify: CostModel, draft: CostModel, width: int, drafting: int) -> float:
+@dataclass
+class Scaled:
+    """Another batch size's verify costs times a factor: a size measured at one width only, planning on the
+    nearest measured size's line scaled to agree with that one measurement."""
+
+    model: CostModel
+    factor: float
+
+    @classmethod
+    def to(cls, near: CostModel, own: CostModel) -> Scaled:
+        x = next(iter(own.amounts))
+        return cls(near, own.means[x] / max(near.predict(x), 1e-9))
+
+    def predict(self, x: float) -> float:
+        return self.factor * self.model.predict(x)
+
+
+def cycle_cost(verify: CostModel | Scaled, draft: CostModel, width: int, drafting: int) -> float:
     """Predicted seconds of a cycle: the verify at padded width `width`, and drafting for `drafting` rows if any."""
     return verify.predict(width) + (draft.predict(drafting) if drafting else 0.0)
 
 
-def plan(rows: list[Row], widths: list[int], verify: CostModel, draft: CostModel,
+def plan(rows: list[Row], widths: list[int], verify: CostModel | Scaled, draft: CostModel,
          speculate: bool | None = None) -> tuple[float, list[int]]:
     """(expected tokens per second, each row's width) of the best plan over the candidate batch widths, with this
     batch size's costs: verify(padded width) and draft(drafting rows); speculate=True/False: the best plan that
@@ -164,7 +182,7 @@ def plan(rows: list[Row], widths: list[int], verify: CostModel, draft: CostModel
     return best
 
 
-def try_interval(rows: list[Row], chosen: list[int], verify: CostModel, draft: CostModel) -> float:
+def try_interval(rows: list[Row], chosen: list[int], verify: CostModel | Scaled, draft: CostModel) -> float:
     """Cycles between tries that keep their expected cost under TRY_TAX of the time: a try (the other choice: plain
     while `chosen` speculates, every row's widest speculation while not) costs the seconds it takes beyond what the
     chosen plan would take for the tokens it is expected to emit."""
@@ -208,24 +226,38 @@ class AdaptivePolicy:
         b = self.state(rows)
         return b.verify, b.draft
 
+    def nearest(self, rows: int) -> BatchSize | None:
+        """The measured batch size (costs at two widths) closest to `rows`, if any."""
+        sizes = [n for n, b in self.sizes.items() if len(b.verify.amounts) >= 2]
+        return self.sizes[min(sizes, key=lambda n: (abs(n - rows), n))] if sizes else None
+
     def choose(self, rows: list[Row]) -> list[int]:
         b = self.state(len(rows))
         b.cycle += 1
-        if len(b.verify.amounts) < 2:  # a batch size met first: measure its widest cycle, then a plain one
-            return [r.max_width for r in rows] if not b.verify.seen else [1] * len(rows)
+        verify, draft = b.verify, b.draft
+        if len(b.verify.amounts) < 2:  # a batch size met first
+            near = self.nearest(len(rows))
+            if near is None:  # the first of all: measure its widest cycle, then a plain one
+                return [r.max_width for r in rows] if not b.verify.seen else [1] * len(rows)
+            if not b.verify.seen:  # start as the nearest measured size decided, and measure that
+                b.speculating = near.speculating
+                return [r.max_width for r in rows] if b.speculating else [1] * len(rows)
+            # until it has measured both choices, plan on the nearest size's costs scaled to its one measurement
+            # (a size met briefly, as the batch drains, would otherwise spend a cycle on the costlier choice)
+            verify, draft = Scaled.to(near.verify, b.verify), near.draft
         if b.cycle >= b.next_try:  # the choice that matters most, speculate or not, stays measured both ways
             b.tried, b.next_try = b.cycle, float("inf")  # the plan of the next cycle sets the next try
             return [1] * len(rows) if b.speculating else [r.max_width for r in rows]
-        rate, chosen = plan(rows, self.widths, b.verify, b.draft)
+        rate, chosen = plan(rows, self.widths, verify, draft)
         speculating = max(chosen) > 1
         if speculating != b.speculating:  # the expected gain of a switch must beat the noise of its estimate
-            kept_rate, kept = plan(rows, self.widths, b.verify, b.draft, b.speculating)
+            kept_rate, kept = plan(rows, self.widths, verify, draft, b.speculating)
             if kept_rate > 0 and rate < (1 + SWITCH_MARGIN) * kept_rate:
                 chosen, speculating = kept, b.speculating
         if speculating != b.speculating:  # the plan changed (after a try, or as costs moved): re-check it soon
             b.interval, b.next_try = EXPLORE, b.cycle + EXPLORE
         elif b.tried:  # a try confirmed the plan: re-check it half as often, or rarer if a try costs much
-            lower = try_interval(rows, chosen, b.verify, b.draft)
+            lower = try_interval(rows, chosen, verify, draft)
             b.interval = min(max(2 * b.interval, lower), EXPLORE_MAX)
             b.next_try = b.tried + b.interval
         b.tried = 0
