@@ -60,6 +60,18 @@ def test_rounds_interleave_the_modes_and_report_the_median(tmp_path, monkeypatch
     assert "| d | 0 | 1 | fixed | 40.0 | 3: 5.0–50.0 | 2.00× |" in table
 
 
+def test_policy_table_compares_adaptive_with_the_better_of_fixed_and_plain():
+    """Both forms: the ratio of median rounds (drift between rounds falls into it), and the median of each round's
+    own ratio (three measurements back to back)."""
+    from flashdraft.bench import load
+
+    speeds = {"plain": [10.0, 30.0, 20.0], "fixed": [20.0, 15.0, 40.0], "adaptive": [19.0, 27.0, 44.0]}
+    rows = [{"dataset": "d", "busy": 0, "concurrency": 4, "round": r, "mode": m, "tokens_per_s": v[r]}
+            for m, v in speeds.items() for r in range(3)]
+    assert "| d | 0 | 4 | fixed | 1.350 | 0.95 0.90 1.10 | 0.950 |" in load.policy_table(rows)
+    assert load.policy_table([r for r in rows if r["mode"] != "fixed"]) == ""
+
+
 def test_load_refuses_bad_arguments(tmp_path, capsys):
     data = tmp_path / "p.jsonl"
     data.write_text(json.dumps({"turns": ["hi"]}) + "\n")

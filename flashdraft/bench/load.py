@@ -18,6 +18,7 @@ import math
 import multiprocessing
 import os
 import queue
+import statistics
 import subprocess
 import sys
 import threading
@@ -32,6 +33,7 @@ from ..serve import free_port
 
 MODES = {"plain": ["--block-size", "1"], "fixed": ["--fixed-block"], "adaptive": [],
          "vllm": ["--engine", "vllm", "--block-size", "1"], "vllm-dflash": ["--engine", "vllm"]}
+POLICY_MODES = {"plain", "fixed", "adaptive"}  # what the policy table compares
 STALL_S = 120.0  # a server that sends nothing for this long has failed the request (no client waits forever)
 
 
@@ -277,7 +279,36 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
+def policy_table(rows: list[dict]) -> str:
+    """Markdown, where plain, fixed and adaptive all ran: at each load point, adaptive against the better of the other
+    two, as the ratio of their median rounds and, free of the drift between rounds, as the median over rounds of each
+    round's own ratio (its three measurements ran back to back). Empty if those modes did not all run."""
+    points: dict[tuple, list[dict[str, float]]] = {}
+    for r in rows:
+        points.setdefault((r["dataset"], r["busy"], r["concurrency"]), []).append(r)
+    out = []
+    for k, point in sorted(points.items()):
+        by_round: dict[int, dict[str, float]] = {}
+        for r in point:
+            by_round.setdefault(r["round"], {})[r["mode"]] = r["tokens_per_s"]
+        rounds = [m for m in by_round.values() if POLICY_MODES <= m.keys()]
+        if not rounds:
+            continue
+        med = {mode: statistics.median_low([m[mode] for m in rounds]) for mode in POLICY_MODES}
+        better = "fixed" if med["fixed"] >= med["plain"] else "plain"
+        each = [m["adaptive"] / max(m["fixed"], m["plain"], 1e-9) for m in rounds]
+        out.append(f"| {k[0]} | {k[1]} | {k[2]} | {better} | {med['adaptive'] / max(med[better], 1e-9):.3f} | "
+                   f"{' '.join(f'{x:.2f}' for x in each)} | {statistics.median(each):.3f} |")
+    if not out:
+        return ""
+    return "\n".join(["| dataset | busy | concurrency | better of fixed and plain (median rounds) | adaptive / it | "
+                      "each round: adaptive / better of that round | median of those |",
+                      "|---|---|---|---|---|---|---|", *out]) + "\n"
+
+
 def write_results(out: Path, rows: list[dict], config: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     write_text(out / "load.json", json.dumps({"config": config, "runs": rows}, indent=1) + "\n")
-    write_text(out / "load.md", table(rows))
+    policy = policy_table(rows)
+    write_text(out / "load.md", table(rows) + (f"\nAdaptive against the better of fixed and plain:\n\n{policy}"
+                                                 if policy else ""))
