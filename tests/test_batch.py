@@ -523,6 +523,42 @@ def test_each_batch_size_keeps_its_own_plan_and_tries():
     assert policy.state(1).speculating and plain_alone < 30
 
 
+def test_a_request_not_yet_measured_is_tried_while_the_batch_decodes_plainly():
+    """Two rows where plain decoding is right for the requests before (α = 0.36, a chat workload's) and speculation
+    for the new ones. Right after a try, with tries doubled out to EXPLORE_MAX, new requests arrive seeded from the
+    chat pool: they are tried within the TRY_TAX spacing (not EXPLORE_MAX cycles later), and speculation takes over.
+    Requests already measured do not bring tries forward."""
+    from flashdraft.decoding.adaptive import EXPLORE_MAX, MEASURE_NEW, try_interval
+
+    cost = {1: 0.030, 8: 0.060}  # a 2-row verify of 8 costs two plain steps: break-even α ≈ 0.55
+
+    def chat_phase() -> tuple[AdaptivePolicy, list[Acceptance]]:
+        policy, old = AdaptivePolicy(8), [Acceptance(kept=36, rejected=64, cycles=MEASURE_NEW) for _ in range(2)]
+        cycle, last = 0, False
+        while cycle < 600 or not last:  # end right after a try
+            w = max(policy.choose([Row(a, 8, span=8) for a in old]))
+            policy.observe(2, w, cost[w], 2 if w > 1 else 0, 0.004 if w > 1 else 0.0)
+            cycle, last = cycle + 1, w > 1
+        assert not policy.state(2).speculating and policy.state(2).interval == EXPLORE_MAX
+        return policy, old
+
+    policy, _ = chat_phase()
+    new = [Acceptance(kept=2.9, rejected=5.1) for _ in range(2)]  # seeded from the chat pool: 0.36
+    spacing = try_interval([Row(a, 8, span=8) for a in new], [1, 1], *policy.costs(2))
+    tried = []
+    for cycle in range(EXPLORE_MAX):
+        w = max(policy.choose([Row(a, 8, span=8) for a in new]))
+        if w > 1:
+            tried.append(cycle)
+            for a in new:
+                a.observe(7, 6)  # the new requests keep most drafts
+        policy.observe(2, w, cost[w], 2 if w > 1 else 0, 0.004 if w > 1 else 0.0)
+    assert tried and tried[0] <= spacing + 1 < EXPLORE_MAX // 2 and policy.state(2).speculating, (tried[:5], spacing)
+
+    policy, old = chat_phase()  # the same requests, already measured: the tries keep their rhythm
+    assert not any(max(policy.choose([Row(a, 8, span=8) for a in old])) > 1 for _ in range(EXPLORE_MAX // 2))
+
+
 class _Plain:
     def choose(self, rows: list[Row]) -> list[int]:
         return [1] * len(rows)

@@ -14,7 +14,9 @@ measured size decided, planning on that size's costs scaled to its own first cyc
 choice instead (plain while speculating, every row's widest speculation while not: what the plan weighs), so a wrong
 choice is measured and undone: first after EXPLORE cycles, then, each time the plan stays as it was, after twice as
 many (and at least as many as keep the tries' expected cost under TRY_TAX of the time; up to EXPLORE_MAX), so that a
-clear choice is not taxed by re-checking it; a change of plan starts over at EXPLORE.
+clear choice is not taxed by re-checking it; a change of plan starts over at EXPLORE. While it decodes plainly, a
+request with fewer than MEASURE_NEW cycles of its own measured brings the next try forward to the earliest the
+TRY_TAX spacing allows: a new request's prior is the rate of the requests before it, which may be another workload's.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ PRIOR_KEPT, PRIOR_TRIED = 1.0, 2.0  # α starts at 0.5 and moves with each reque
 PRIOR_POOLED = 8.0  # … or, in a decoder, at the rate of the requests before it, worth this many drafts
 POOL_HALF_LIFE = 256  # cycles: how quickly the pooled acceptance of all requests forgets
 SWITCH_MARGIN = 0.05  # the plan turns speculation on or off only for an expected gain of more than this
+MEASURE_NEW = 3  # while the batch decodes plainly, a request with fewer cycles of its own measured calls for a try
 
 
 class CostModel:
@@ -90,6 +93,7 @@ class Acceptance:
     rejected: float = PRIOR_TRIED - PRIOR_KEPT
     decay: float = 1.0
     pool: Acceptance | None = field(default=None, repr=False)  # told every observation too
+    cycles: int = 0  # its own cycles with drafts
 
     @classmethod
     def seeded(cls, pool: Acceptance) -> Acceptance:
@@ -99,6 +103,7 @@ class Acceptance:
 
     def observe(self, drafts: int, accepted: int) -> None:
         if drafts:
+            self.cycles += 1
             self.kept = self.kept * self.decay + accepted
             self.rejected = self.rejected * self.decay + (accepted < drafts)
             if self.pool is not None:
@@ -210,6 +215,7 @@ class BatchSize:
     interval: float = EXPLORE
     next_try: float = EXPLORE
     tried: int = 0  # the cycle of a try whose outcome the next plan judges (0: none pending)
+    last_try: int = 0  # the cycle of the latest try
 
 
 class AdaptivePolicy:
@@ -246,7 +252,8 @@ class AdaptivePolicy:
             # (a size met briefly, as the batch drains, would otherwise spend a cycle on the costlier choice)
             verify, draft = Scaled.to(near.verify, b.verify), near.draft
         if b.cycle >= b.next_try:  # the choice that matters most, speculate or not, stays measured both ways
-            b.tried, b.next_try = b.cycle, float("inf")  # the plan of the next cycle sets the next try
+            b.tried = b.last_try = b.cycle
+            b.next_try = float("inf")  # the plan of the next cycle sets the next try
             return [1] * len(rows) if b.speculating else [r.max_width for r in rows]
         rate, chosen = plan(rows, self.widths, verify, draft)
         speculating = max(chosen) > 1
@@ -262,6 +269,11 @@ class AdaptivePolicy:
             b.next_try = b.tried + b.interval
         b.tried = 0
         b.speculating = speculating
+        if not speculating and any(r.acceptance.cycles < MEASURE_NEW and r.max_width > 1 for r in rows) \
+                and b.cycle - b.last_try >= try_interval(rows, chosen, verify, draft):
+            # a request barely measured decodes plainly on its prior, the rate of the requests before it (another
+            # workload's, maybe), and nothing else measures it: try next, as often as tries stay under TRY_TAX
+            b.next_try = min(b.next_try, b.cycle + 1)
         return chosen
 
     def observe(self, rows: int, width: int, verify_s: float, drafting_rows: int, draft_s: float) -> None:
