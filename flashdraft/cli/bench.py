@@ -52,7 +52,8 @@ def add_bench(sub) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--threads", type=int,
-                   help="CPU threads for torch and llama.cpp (default: torch's choice; llama.cpp all cores)")
+                   help="CPU threads for torch and llama.cpp (default: torch every core while the machine is free, "
+                        "fewer while other processes hold cores; llama.cpp all cores)")
     p.add_argument("--no-chat", action="store_true", help="tokenize prompts as raw text, no chat template")
     p.add_argument("--no-ar", action="store_true",
                    help="skip the ar reference: no speedup vs ar and no token-identity check (for τ-only sweeps, "
@@ -234,6 +235,7 @@ def bench_run(args, methods: list[str]) -> int:
     from ..llamacpp.gguf import resolve_ggufs
     from ..mlx import require_mlx
     from ..models import load_target
+    from ..threads import pin as pin_threads
 
     sweep = sweep_from_args(args)
     uses_vllm, uses_llamacpp = bool(VLLM_METHODS & set(methods)), bool(LLAMACPP_METHODS & set(methods))
@@ -244,7 +246,7 @@ def bench_run(args, methods: list[str]) -> int:
     datasets = load_datasets(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.threads:
-        torch.set_num_threads(args.threads)
+        pin_threads(args.threads)
     target = load_target(args.target, dtype=args.dtype, device=device)
     decode = DecodeSettings(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop_token_ids=stop_ids(args, target))

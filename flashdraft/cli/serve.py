@@ -35,6 +35,9 @@ def add_serve(sub) -> None:
     add_decode_arguments(p, per_request=False)  # length, sampling and stops come with each request
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--threads", type=int,
+                   help="CPU threads for torch (default: every core while the machine is free, only the cores other "
+                        "processes leave while they hold some; docs/performance.md)")
     p.add_argument("--max-batch", type=int, default=8,
                    help="requests decoded together: each joins the batch at a cycle boundary and leaves when done "
                         "(default 8; 1 = one at a time; vLLM's --max-num-seqs)")
@@ -84,6 +87,8 @@ def check_options(args) -> None:
             raise FlashdraftError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     if args.block_size is not None and args.block_size < 1:
         raise FlashdraftError(f"block size must be >= 1, got {args.block_size}")
+    if args.threads is not None and args.threads < 1:
+        raise FlashdraftError(f"--threads must be >= 1, got {args.threads}")
     if args.engine == "vllm" and args.allowed_hosts:
         raise FlashdraftError("--allowed-hosts is for --engine torch (vLLM's server does not check the Host header)")
     if args.api_key is not None and not args.api_key.strip():
@@ -103,6 +108,9 @@ def check_vllm_options(args) -> None:
             raise FlashdraftError(f"{flag} is for --engine torch (vLLM's server verifies a chain every cycle); drop it")
     if getattr(args, "loop_stages", 1) not in (None, 1):
         raise FlashdraftError("--loop-stages (DLoop) is for --engine torch; drop it")
+    if getattr(args, "threads", None) is not None:
+        raise FlashdraftError("--threads is for --engine torch (vLLM's CPU build takes VLLM_CPU_OMP_THREADS_BIND); "
+                              "drop it")
 
 
 def hosts_list(args) -> list[str]:

@@ -30,9 +30,9 @@ def set_threads(n: int | None) -> None:
     if n is not None:
         if n < 1:
             raise FlashdraftError(f"--threads must be >= 1, got {n}")
-        import torch
+        from ..threads import pin
 
-        torch.set_num_threads(n)
+        pin(n)
 
 
 # ---------------------------------------------------------------- prepare

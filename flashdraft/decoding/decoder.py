@@ -22,6 +22,7 @@ from typing import Callable, Iterator
 import torch
 from transformers import PreTrainedModel
 
+from .. import lean, threads
 from .. import target as T
 from ..drafter import DFlashDrafter, draft_hidden, draft_hidden_batch, proposal_logits
 from ..errors import FlashdraftError
@@ -69,6 +70,11 @@ class Decoder:
         log = os.environ.get("FLASHDRAFT_CYCLE_LOG")  # one JSON line a cycle (scripts/policy_regret.py reads it)
         self.cycle_log = open(log, "a", buffering=1) if log else None
         self.vocab = T.vocab_size(model)
+        # threads.py: fewer threads while other processes hold cores, where that cannot change a rounding: the fused
+        # float32 forward attends single positions with the ragged kernel (torch's attention splits one query's keys
+        # across threads) and its other ops give every output to one thread
+        lm = lean.current(model)
+        self.follow_load = self.device.type == "cpu" and lm is not None and lm.fused
 
     # ---------------------------------------------------------------- joining and leaving
 
@@ -168,6 +174,8 @@ class Decoder:
         in its own part of the cycle (its drafts, its acceptance) gets `error` set and leaves with an empty Cycle;
         the others go on. What fails in the shared passes (drafter, verify) raises."""
         trim_heap()  # freed batch-shaped buffers otherwise stay mapped in glibc's heap (heap.py)
+        if self.follow_load:
+            threads.follow()
         rows = self.active
         if not rows:
             return self.prefill_next()
@@ -191,6 +199,7 @@ class Decoder:
         self.policy.observe(len(rows), width, t4 - t2, drafting, t2 - t1)
         if self.cycle_log is not None:
             self.cycle_log.write(json.dumps({"rows": len(rows), "width": width, "seconds": t4 - t1,
+                                             "threads": torch.get_num_threads(),
                                              "tokens": sum(len(c.emitted) for _, c in results)}) + "\n")
         for q, _ in results:
             q.timing.draft_s += (t2 - t1) / len(rows)

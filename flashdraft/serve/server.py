@@ -11,6 +11,7 @@ import uvicorn
 
 from ..decoding import settings_from_args
 from ..models import load_drafter_or_plain, load_target, served_name
+from ..threads import pin as pin_threads
 from . import bind, is_loopback
 from .app import GracefulServer, allowed_hosts, create_app
 from .protocol import Served
@@ -23,6 +24,8 @@ def run_server(args, key: str | None, hosts: list[str]) -> int:
     key: the API key; hosts: the Host names answered besides the bind's, --allowed-hosts)."""
     settings = settings_from_args(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.threads:
+        pin_threads(args.threads)
     target = load_target(args.target, dtype=args.dtype, device=device)
     drafter = load_drafter_or_plain(target, args.drafter, args.block_size)
     worker = Worker(target, drafter, settings, args.max_batch, adaptive=not args.fixed_block,
