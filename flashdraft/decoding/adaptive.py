@@ -1,8 +1,9 @@
 """Load-adaptive speculation (docs/adaptive.md): each cycle, the verify width of each sequence that maximises the
 batch's expected tokens per second, from pass costs measured online and each request's running acceptance.
 
-Costs, kept per batch size N (the shape the machine sees now): the part of a cycle that is not drafting (the padded
-verify of N rows, acceptance and commits) at padded width w, t_v(w), and drafting for D rows, t_d(D): each amount
+Costs: per batch size N (the shape the machine sees now), the part of a cycle that is not drafting (the padded
+verify of N rows, acceptance and commits) at padded width w, t_v(w); and, for every batch size alike (a drafter pass
+over D rows is the same work whatever the batch), drafting for D rows, t_d(D): each amount
 measured is the running mean of its own recent measurements (exponential forgetting), so it follows the machine as it
 is now (another process taking the cores shows up within a few cycles); an amount not measured yet is read off the
 line a + c·x through the measured ones. Acceptance: each request's drafts are kept with a running rate α (drafts
@@ -209,7 +210,6 @@ class BatchSize:
     one size's plan and tries must not reset another's."""
 
     verify: CostModel = field(default_factory=CostModel)  # a cycle's cost but drafting, by padded width
-    draft: CostModel = field(default_factory=CostModel)  # drafting's cost, by rows drafted
     cycle: int = 0  # this batch size's cycles so far
     speculating: bool = True
     interval: float = EXPLORE
@@ -224,13 +224,15 @@ class AdaptivePolicy:
     def __init__(self, max_width: int):
         self.widths = sorted({1, 2, 3, 4, 6, 8, 12, 16, max_width} & set(range(1, max_width + 1)))
         self.sizes: dict[int, BatchSize] = {}
+        # drafting's cost by rows drafted, shared by the batch sizes: kept per size, a size's one early measurement (the
+        # process's first drafter pass, ~4x a warm one) priced its drafting until its next try, up to 128 cycles later
+        self.draft = CostModel()
 
     def state(self, rows: int) -> BatchSize:
         return self.sizes.setdefault(rows, BatchSize())
 
     def costs(self, rows: int) -> tuple[CostModel, CostModel]:
-        b = self.state(rows)
-        return b.verify, b.draft
+        return self.state(rows).verify, self.draft
 
     def nearest(self, rows: int) -> BatchSize | None:
         """The measured batch size (costs at two widths) closest to `rows`, if any."""
@@ -240,7 +242,7 @@ class AdaptivePolicy:
     def choose(self, rows: list[Row]) -> list[int]:
         b = self.state(len(rows))
         b.cycle += 1
-        verify, draft = b.verify, b.draft
+        verify, draft = b.verify, self.draft
         if len(b.verify.amounts) < 2:  # a batch size met first
             near = self.nearest(len(rows))
             if near is None:  # the first of all: measure its widest cycle, then a plain one
@@ -250,7 +252,7 @@ class AdaptivePolicy:
                 return [r.max_width for r in rows] if b.speculating else [1] * len(rows)
             # until it has measured both choices, plan on the nearest size's costs scaled to its one measurement
             # (a size met briefly, as the batch drains, would otherwise spend a cycle on the costlier choice)
-            verify, draft = Scaled.to(near.verify, b.verify), near.draft
+            verify = Scaled.to(near.verify, b.verify)
         if b.cycle >= b.next_try:  # the choice that matters most, speculate or not, stays measured both ways
             b.tried = b.last_try = b.cycle
             b.next_try = float("inf")  # the plan of the next cycle sets the next try
