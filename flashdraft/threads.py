@@ -2,10 +2,11 @@
 cores other processes leave while they hold some.
 
 torch's OpenMP threads meet at a barrier after every op and spin while they wait: when another process holds a core,
-the thread descheduled there stalls the rest, and the spinning ones take time from it (2 spinning processes on 2 cores:
-plain decoding of the default target 8.5 tok/s at 2 threads, 19 at 1; docs/performance.md). Every WINDOW_S seconds of
-decoding, `follow()` reads how much CPU the other processes used (/proc/stat less this process; niced work, which
-yields, not counted) and sets the threads to the cores they leave, changing only when two windows in a row agree.
+the thread descheduled there stalls the rest, and the spinning ones take time from it (2 spinning processes on 2
+cores: plain decoding of the default target 4.5–8.3 tok/s at 2 threads, 21–23 at 1; docs/performance.md). Every
+WINDOW_S seconds of decoding, `follow()` reads how much CPU the other processes used (/proc/stat less this process;
+niced work, which yields, not counted) and sets the threads to the cores they leave, changing only when two windows in
+a row agree.
 Off where the user chose the threads (OMP_NUM_THREADS, `pin`, `--threads`) or the machine's counters cannot be read.
 """
 
