@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import subprocess
 import sys
 import time
@@ -18,16 +17,12 @@ from pathlib import Path
 PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench.jsonl"
 
 
-def spin() -> None:
-    while True:
-        pass
-
-
 def measure(busy: int, threads: str, tokens: int, prompts_file: str) -> dict:
     """One setting, in this process: {batch: tok/s of three runs}, the busy processes running throughout."""
     import torch
 
     from flashdraft.api import generate, generate_batch
+    from flashdraft.bench.load import busy as spinning
     from flashdraft.models import load_target
 
     if threads != "auto":
@@ -37,9 +32,7 @@ def measure(busy: int, threads: str, tokens: int, prompts_file: str) -> dict:
     target = load_target(None, dtype="float32")
     prompts = [json.loads(line)["turns"][0] for line in open(prompts_file)][:8]
     generate(target, None, prompts[0], max_new_tokens=16)  # warm-up
-    procs = [multiprocessing.Process(target=spin, daemon=True) for _ in range(busy)]
-    for p in procs:
-        p.start()
+    procs = spinning(busy)  # the same busy processes as `flashdraft load --busy`
     try:
         out = {}
         for batch in (1, 8):
