@@ -87,7 +87,7 @@ def check_options(args) -> None:
             raise FlashdraftError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     if args.block_size is not None and args.block_size < 1:
         raise FlashdraftError(f"block size must be >= 1, got {args.block_size}")
-    if getattr(args, "threads", None) is not None and args.threads < 1:
+    if args.threads is not None and args.threads < 1:
         raise FlashdraftError(f"--threads must be >= 1, got {args.threads}")
     if args.engine == "vllm" and args.allowed_hosts:
         raise FlashdraftError("--allowed-hosts is for --engine torch (vLLM's server does not check the Host header)")

@@ -24,7 +24,7 @@ def run_server(args, key: str | None, hosts: list[str]) -> int:
     key: the API key; hosts: the Host names answered besides the bind's, --allowed-hosts)."""
     settings = settings_from_args(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if getattr(args, "threads", None):
+    if args.threads:
         pin_threads(args.threads)
     target = load_target(args.target, dtype=args.dtype, device=device)
     drafter = load_drafter_or_plain(target, args.drafter, args.block_size)
