@@ -246,42 +246,38 @@ here_unpack() {
     mkdir "$tmp/tokens"
     cat "$dir"/tokens.tar* | tar -xf - -C "$tmp/tokens"
     "$PYH" - "$tmp/tokens" "$store" <<'EOF'
-import hashlib, json, os, sys
+import hashlib, json, sys
 from pathlib import Path
 
-from flashdraft.train.store import CAP_MIB, MANIFEST, manifest_text, next_file, read_manifest, store_bytes
+from flashdraft.atomic import write_bytes, write_text
+from flashdraft.train.store import CAP_MIB, MANIFEST, locked, manifest_text, next_file, read_manifest, store_bytes
 
 got, store = Path(sys.argv[1]), Path(sys.argv[2])
-mine, theirs = read_manifest(store), read_manifest(got)
-have = {(e["file"], e["sha256"]) for e in mine["shards"]}
-keys = {k for e in mine["shards"] for k in e["prompt_keys"]}
-ids = {(e["target_sha256"], json.dumps(e["settings"], sort_keys=True)) for e in mine["shards"]}
-added = []
-for e in theirs["shards"]:
-    if (e["file"], e["sha256"]) in have:
-        continue
-    data = (got / e["file"]).read_bytes()
-    if hashlib.sha256(data).hexdigest() != e["sha256"] or len(data) != e["bytes"]:
-        sys.exit(f"gpu_round: {e['file']}: sha256 or size differs from the returned manifest")
-    if ids and (e["target_sha256"], json.dumps(e["settings"], sort_keys=True)) not in ids:
-        sys.exit(f"gpu_round: {e['file']}: another target checksum or settings than the store's; not merged")
-    if keys & set(e["prompt_keys"]):
-        print(f"gpu_round: {e['file']}: {len(keys & set(e['prompt_keys']))} prompts already in the store; skipped")
-        continue
-    e = dict(e)
-    if (store / e["file"]).exists() or any(x["file"] == e["file"] for x in mine["shards"]):
-        e["file"] = next_file(mine, e["source"])  # the store grew meanwhile: the next free name
-    tmp = store / "shards" / f".{Path(e['file']).name}.tmp"
-    tmp.write_bytes(data)
-    os.fsync(os.open(tmp, os.O_RDONLY))
-    os.replace(tmp, store / e["file"])
-    mine["shards"].append(e)
-    keys |= set(e["prompt_keys"])
-    added.append(e)
-text = manifest_text(mine)
-tmp = store / f".{MANIFEST}.tmp"
-tmp.write_text(text)
-os.replace(tmp, store / MANIFEST)
+with locked(store):  # as prepare's appends: one writer at a time
+    mine, theirs = read_manifest(store), read_manifest(got)
+    have = {(e["file"], e["sha256"]) for e in mine["shards"]}
+    keys = {k for e in mine["shards"] for k in e["prompt_keys"]}
+    ids = {(e["target_sha256"], json.dumps(e["settings"], sort_keys=True)) for e in mine["shards"]}
+    added = []
+    for e in theirs["shards"]:
+        if (e["file"], e["sha256"]) in have:
+            continue
+        data = (got / e["file"]).read_bytes()
+        if hashlib.sha256(data).hexdigest() != e["sha256"] or len(data) != e["bytes"]:
+            sys.exit(f"gpu_round: {e['file']}: sha256 or size differs from the returned manifest")
+        if ids and (e["target_sha256"], json.dumps(e["settings"], sort_keys=True)) not in ids:
+            sys.exit(f"gpu_round: {e['file']}: another target checksum or settings than the store's; not merged")
+        if keys & set(e["prompt_keys"]):
+            print(f"gpu_round: {e['file']}: {len(keys & set(e['prompt_keys']))} prompts already in the store; skipped")
+            continue
+        e = dict(e)
+        if (store / e["file"]).exists() or any(x["file"] == e["file"] for x in mine["shards"]):
+            e["file"] = next_file(mine, e["source"])  # the store grew meanwhile: the next free name
+        write_bytes(store / e["file"], data)  # atomic: scratch file, fsync, rename
+        mine["shards"].append(e)
+        keys |= set(e["prompt_keys"])
+        added.append(e)
+    write_text(store / MANIFEST, manifest_text(mine))
 # the whole store, as tests/test_store.py checks data/tokens
 listed = {e["file"] for e in mine["shards"]}
 present = {f"shards/{f.name}" for f in (store / "shards").glob("*")}
