@@ -37,8 +37,9 @@ inline void tile(const float* __restrict wb, const float* __restrict x, float* _
 #pragma GCC unroll 16
     for (int c = 0; c < NB; ++c) {
       const float* wk = wb + (c * K + k) * kCols;
-      __builtin_prefetch(wk + 16 * kCols);
-      __builtin_prefetch(wk + 16 * kCols + 2 * kLanes);
+      // all four lines of the k-row 16 ahead: with only the hardware's prefetch, 4-8 rows streamed at 16-20 GB/s
+#pragma GCC unroll 4
+      for (int a = 0; a < 4; ++a) __builtin_prefetch(wk + 16 * kCols + a * kLanes);
 #pragma GCC unroll 4
       for (int a = 0; a < 4; ++a) w[c * 4 + a] = *reinterpret_cast<const uvec*>(wk + a * kLanes);
     }
