@@ -644,7 +644,8 @@ def test_adaptive_policy_never_loses_on_a_contended_machine(rows, costs, floor, 
 
 
 def test_cycle_log_accounts_for_every_token_and_its_regret(tmp_path, monkeypatch):
-    """FLASHDRAFT_CYCLE_LOG: one line per cycle (rows, padded width, seconds, tokens); its tokens are every decoded
+    """FLASHDRAFT_CYCLE_LOG: one line per cycle (rows, padded width, seconds, tokens, and per row its width, tokens
+    emitted and the tokens the policy expected); its tokens are every decoded
     token but each request's first (the prefill's), and scripts/policy_regret.py rates each batch size's choices
     against the better of the run's own plain and speculative cycles."""
     import importlib.util
@@ -658,6 +659,10 @@ def test_cycle_log_accounts_for_every_token_and_its_regret(tmp_path, monkeypatch
     cycles = [json.loads(line) for line in log.read_text().splitlines()]
     assert sum(c["tokens"] for c in cycles) == sum(len(r.output_ids) - 1 for r in res)
     assert {c["rows"] for c in cycles} <= {1, 2} and any(c["width"] > 1 for c in cycles)
+    for c in cycles:  # each row's width, tokens and the policy's expectation of them; drafting's share of the time
+        assert len(c["widths"]) == len(c["emitted"]) == len(c["expected"]) == c["rows"]
+        assert max(c["widths"]) == c["width"] and sum(c["emitted"]) == c["tokens"]
+        assert all(1 <= e <= w for e, w in zip(c["expected"], c["widths"])) and 0 <= c["draft_s"] <= c["seconds"]
 
     path = Path(__file__).parents[1] / "scripts" / "policy_regret.py"
     spec = importlib.util.spec_from_file_location("policy_regret", path)

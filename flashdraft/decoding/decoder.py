@@ -193,13 +193,17 @@ class Decoder:
         blocks = [[q.tokens[-1]] + p.drafts.tolist() for q, p in zip(rows, proposals)]
         outs = self.verify(rows, blocks, [p.parents for p in proposals])
         t3 = now(self.device)
+        expected = [Row(q.acceptance, len(b), self.span(q)).expected_tokens(len(b))
+                    for q, b in zip(rows, blocks)] if self.cycle_log is not None else None  # what the policy expects
         results = [(q, self.guarded(q, self.commit, i, q, p, out, blocks[i]) or Cycle(blocks[i], 0, []))
                    for i, (q, p, out) in enumerate(zip(rows, proposals, outs))]
         t4, width = now(self.device), max(len(b) for b in blocks)
         self.policy.observe(len(rows), width, t4 - t2, drafting, t2 - t1)
         if self.cycle_log is not None:
-            self.cycle_log.write(json.dumps({"rows": len(rows), "width": width, "seconds": t4 - t1,
-                                             "threads": torch.get_num_threads(),
+            self.cycle_log.write(json.dumps({"rows": len(rows), "width": width, "widths": [len(b) for b in blocks],
+                                             "draft_s": t2 - t1, "seconds": t4 - t1,
+                                             "threads": torch.get_num_threads(), "expected": expected,
+                                             "emitted": [len(c.emitted) for _, c in results],
                                              "tokens": sum(len(c.emitted) for _, c in results)}) + "\n")
         for q, _ in results:
             q.timing.draft_s += (t2 - t1) / len(rows)
@@ -235,9 +239,13 @@ class Decoder:
         """Each row's verify width this cycle: the policy's for greedy rows; a sampled row always verifies its whole
         block, because its random draws follow the widths and a seed must give what `generate` gives."""
         own = [self.max_width(q) for q in rows]
-        spans = [min(q.settings.block_size, q.end - q.position) if q.trees else None for q in rows]
-        chosen = self.policy.choose([Row(q.acceptance, w, n) for q, w, n in zip(rows, own, spans)])
+        chosen = self.policy.choose([Row(q.acceptance, w, self.span(q)) for q, w in zip(rows, own)])
         return [c if q.settings.greedy else w for q, c, w in zip(rows, chosen, own)]
+
+    @staticmethod
+    def span(q: Request) -> int | None:
+        """A tree-drafting row's span for the policy (its block, capped by what it is owed); None for a chain."""
+        return min(q.settings.block_size, q.end - q.position) if q.trees else None
 
     def max_width(self, q: Request) -> int:
         """A row's widest useful verify: its block (or tree rows), capped by the positions it may still verify."""
