@@ -89,6 +89,18 @@ def pin(n: int) -> None:
     torch.set_num_threads(n)
 
 
+def hand_over() -> int:
+    """Drop this thread to one torch thread and return the count it had, for the thread that will run the model.
+
+    libgomp keeps a team of threads for every thread that starts a parallel op, and once the teams' threads outnumber
+    the cores every team spins only ~100 times before sleeping at a barrier: each op of the model's thread then waits
+    on wake-ups (a plain step of the default target on 2 cores: 29 ms where it alone ran parallel ops, 38 ms after the
+    main thread had loaded the model on two threads). A thread on one torch thread starts no team."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    return n
+
+
 def governor() -> Governor | None:
     """The process's governor, or None where the threads are the user's or the load cannot be read."""
     global _governor, _decided

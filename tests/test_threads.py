@@ -140,3 +140,35 @@ def test_the_fused_forward_computes_the_same_bits_at_any_thread_count(two_thread
     torch.set_num_threads(2)
     two = passes()
     assert all(torch.equal(a, b) for a, b in zip(one, two))
+
+
+def test_the_server_loads_on_one_thread_and_hands_the_threads_to_the_decode_thread(two_threads, monkeypatch):
+    """libgomp keeps a team per thread that starts parallel ops, and when the teams outnumber the cores every team
+    sleeps at its barriers (a server step 29 → 38 ms on 2 cores): the loading thread drops to one thread and the
+    decode thread runs at the count it had."""
+    import threading
+
+    from helpers import random_drafter, tiny_target
+    from serve_helpers import char_tokenizer
+
+    from flashdraft.decoding import DecodeSettings
+    from flashdraft.models import Target
+    from flashdraft.serve.worker import Worker
+
+    assert threads.hand_over() == 2 and torch.get_num_threads() == 1
+    model = tiny_target("llama", seed=3)
+    seen = {}
+
+    def decoder(self):
+        seen["decode thread"] = (threading.current_thread().name, torch.get_num_threads())
+        return Worker.decoder.__wrapped__(self)
+
+    decoder.__wrapped__ = Worker.decoder
+    monkeypatch.setattr(Worker, "decoder", decoder)
+    worker = Worker(Target(model, char_tokenizer(), "tiny"), random_drafter(model, block_size=4), DecodeSettings(),
+                    threads=2)
+    worker.start()
+    worker.stop()
+    worker.thread.join(timeout=60)
+    assert seen["decode thread"] == ("flashdraft-decode", 2)
+    assert torch.get_num_threads() == 1  # this thread kept one

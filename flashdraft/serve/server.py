@@ -11,6 +11,7 @@ import uvicorn
 
 from ..decoding import settings_from_args
 from ..models import load_drafter_or_plain, load_target, served_name
+from ..threads import hand_over
 from ..threads import pin as pin_threads
 from . import bind, is_loopback
 from .app import GracefulServer, allowed_hosts, create_app
@@ -26,10 +27,11 @@ def run_server(args, key: str | None, hosts: list[str]) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.threads:
         pin_threads(args.threads)
+    threads = hand_over()  # only the decode thread runs parallel ops (threads.py): this one loads on one thread
     target = load_target(args.target, dtype=args.dtype, device=device)
     drafter = load_drafter_or_plain(target, args.drafter, args.block_size)
     worker = Worker(target, drafter, settings, args.max_batch, adaptive=not args.fixed_block,
-                    prefill_chunk=args.prefill_chunk)
+                    prefill_chunk=args.prefill_chunk, threads=threads)
     limits = Limits(args.max_queue, args.request_timeout, args.max_body_bytes, args.shutdown_timeout, args.body_timeout)
     scheduler = Scheduler(worker, limits)
     model_id = args.served_model_name or served_name(args.target)

@@ -252,8 +252,9 @@ class Worker:
 
     def __init__(self, target: Target, drafter: torch.nn.Module | None, settings: DecodeSettings = DecodeSettings(),
                  max_batch: int = 8, adaptive: bool = True, tokens: PerThread | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK):
+                 prefill_chunk: int = PREFILL_CHUNK, threads: int | None = None):
         self.target, self.drafter, self.settings = target, drafter, settings.validate()
+        self.threads = threads  # torch threads of the decode thread (None: as the process has them; threads.hand_over)
         self.block_size = settings.resolve(drafter.config.block_size if drafter is not None else None).block_size
         self.stop_ids = target.stop_token_ids()
         self.batched = supports_batch(target.model)
@@ -290,6 +291,8 @@ class Worker:
 
     def work(self) -> None:
         """Admit waiting jobs into free rows, drop cancelled or late ones, run one batched cycle; repeat."""
+        if self.threads:
+            torch.set_num_threads(self.threads)
         dec = self.decoder()
         self.tokens.get()  # this thread's tokenizer copy, made before the first request needs it
         while self.admit(dec):
