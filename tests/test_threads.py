@@ -157,13 +157,12 @@ def test_the_server_loads_on_one_thread_and_hands_the_threads_to_the_decode_thre
 
     assert threads.hand_over() == 2 and torch.get_num_threads() == 1
     model = tiny_target("llama", seed=3)
-    seen = {}
+    seen, make_decoder = {}, Worker.decoder
 
     def decoder(self):
         seen["decode thread"] = (threading.current_thread().name, torch.get_num_threads())
-        return Worker.decoder.__wrapped__(self)
+        return make_decoder(self)
 
-    decoder.__wrapped__ = Worker.decoder
     monkeypatch.setattr(Worker, "decoder", decoder)
     worker = Worker(Target(model, char_tokenizer(), "tiny"), random_drafter(model, block_size=4), DecodeSettings(),
                     threads=2)

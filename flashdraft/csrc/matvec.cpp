@@ -3,9 +3,10 @@
 // A decode step or a block verify multiplies 1-16 rows by every weight of the model, so it is a stream through
 // memory: what counts is reading each weight once, sequentially, at full bandwidth. oneDNN's packed matmul reaches
 // ~20 GB/s at those row counts on a 2-core AVX-512 machine whose memory streams at ~32; this reaches ~30
-// (docs/performance.md). From 4 rows on it is compute-bound: a tile of 6 rows × 64 columns keeps its 24
-// accumulators in registers, 4 weight loads feed 24 FMAs, 270-340 GFLOP/s on 2 AVX-512 cores. Written with GCC vector extensions and built with -march=native, so the same source
-// runs on AVX-512, AVX2 or NEON. Every output is one chain of fused multiply-adds over k in order, starting
+// (docs/performance.md). With more rows, a tile of 6 rows × 64 columns keeps its 24 accumulators in registers
+// and feeds them from 4 weight loads per k (270-340 GFLOP/s on 2 AVX-512 cores with the weights in cache).
+// Written with GCC vector extensions and built with -march=native, so the same source runs on AVX-512, AVX2 or
+// NEON. Every output is one chain of fused multiply-adds over k in order, starting
 // from zero, whatever the row count and blocking: a row's result does not depend on the rows beside it.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
