@@ -200,11 +200,11 @@ class Decoder:
         t4, width = now(self.device), max(len(b) for b in blocks)
         self.policy.observe(len(rows), width, t4 - t2, drafting, t2 - t1)
         if self.cycle_log is not None:
+            emitted = [len(c.emitted) for _, c in results]
             self.cycle_log.write(json.dumps({"rows": len(rows), "width": width, "widths": [len(b) for b in blocks],
                                              "draft_s": t2 - t1, "seconds": t4 - t1,
                                              "threads": torch.get_num_threads(), "expected": expected,
-                                             "emitted": [len(c.emitted) for _, c in results],
-                                             "tokens": sum(len(c.emitted) for _, c in results)}) + "\n")
+                                             "emitted": emitted, "tokens": sum(emitted)}) + "\n")
         for q, _ in results:
             q.timing.draft_s += (t2 - t1) / len(rows)
             q.timing.verify_s += (t3 - t2) / len(rows)
