@@ -181,12 +181,12 @@ class Decoder:
             return self.prefill_next()
         widths = self.widths(rows)
         t1 = now(self.device)
-        proposals, drafting = self.propose(rows, widths)
+        proposals = self.propose(rows, widths)
         failed = [(q, Cycle([], 0, [])) for q in rows if q.error is not None]
         if failed:  # out of the batch before the verify
             self.drop([i for i, q in enumerate(rows) if q.error is not None])
-            proposals = [proposals[rows.index(q)] for q in self.active]
-            rows = self.active
+            keep = [rows.index(q) for q in self.active]
+            proposals, widths, rows = [proposals[i] for i in keep], [widths[i] for i in keep], self.active
             if not rows:
                 return failed + self.prefill_next()
         t2 = now(self.device)
@@ -194,13 +194,17 @@ class Decoder:
         outs = self.verify(rows, blocks, [p.parents for p in proposals])
         t3 = now(self.device)
         expected = [Row(q.acceptance, len(b), self.span(q)).expected_tokens(len(b))
-                    for q, b in zip(rows, blocks)] if self.cycle_log is not None else None  # what the policy expects
+                    for q, b in zip(rows, blocks)]  # what the policy expects, before the acceptance moves
         results = [(q, self.guarded(q, self.commit, i, q, p, out, blocks[i]) or Cycle(blocks[i], 0, []))
                    for i, (q, p, out) in enumerate(zip(rows, proposals, outs))]
         t4, width = now(self.device), max(len(b) for b in blocks)
-        self.policy.observe(len(rows), width, t4 - t2, drafting, t2 - t1)
+        emitted = [len(c.emitted) for _, c in results]
+        # drafting is priced by the rows the plan let speculate: rows whose prompt lookup drafts skip the drafter,
+        # and the plan cannot know which ahead, so the measured cost of D speculating rows carries their share
+        self.policy.observe(len(rows), width, t4 - t2, sum(w > 1 for w in widths), t2 - t1)
+        spec = [i for i, (q, b) in enumerate(zip(rows, blocks)) if len(b) > 1 and q.error is None]
+        self.policy.observe_tokens(len(spec), sum(expected[i] - 1 for i in spec), sum(emitted[i] - 1 for i in spec))
         if self.cycle_log is not None:
-            emitted = [len(c.emitted) for _, c in results]
             self.cycle_log.write(json.dumps({"rows": len(rows), "width": width, "widths": [len(b) for b in blocks],
                                              "draft_s": t2 - t1, "seconds": t4 - t1,
                                              "threads": torch.get_num_threads(), "expected": expected,
@@ -256,9 +260,9 @@ class Decoder:
             return max(s.block_size, 1 + s.tree)
         return min(s.block_size, owed)
 
-    def propose(self, rows: list[Request], widths: list[int]) -> tuple[list[Proposal | None], int]:
-        """Each row's proposal for its width; rows the drafter serves share batched passes → (proposals, rows
-        drafted); None for a row whose own part raised (its `error` is set)."""
+    def propose(self, rows: list[Request], widths: list[int]) -> list[Proposal | None]:
+        """Each row's proposal for its width; rows the drafter serves share batched passes; None for a row whose
+        own part raised (its `error` is set)."""
         proposals: list[Proposal | None] = [None] * len(rows)
         looks: list[Proposal | None] = [None] * len(rows)  # grafted onto trees after the drafter pass
         need: dict[int, list[int]] = {}  # drafter block size → rows
@@ -280,9 +284,7 @@ class Decoder:
         for b, idx in need.items():
             for i, p in zip(idx, self.drafter_pass([rows[i] for i in idx], b, [widths[i] for i in idx])):
                 proposals[i] = graft(p, looks[i]) if looks[i] is not None and p is not None else p
-        drafted = sum(len(v) for v in need.values()) + sum(q.proposer is not None and widths[i] > 1
-                                                            for i, q in enumerate(rows))
-        return proposals, drafted
+        return proposals
 
     @staticmethod
     def own_proposal(q: Request, start: int, b: int) -> Proposal:
