@@ -8,12 +8,19 @@ cost about what one step does (docs/performance.md). float32 weights go to flash
 builds, else to oneDNN's blocked layout, as bfloat16 ones do. The packed copy is taken at load time for
 inference; a call with autograd live takes the unpacked weight, and a module whose weights change after packing
 must not be packed (its copy would go stale), so only loaded, frozen models are.
+
+The packed float32 copies live in memory the kernel is asked to back with 2 MiB pages (transparent huge pages, where
+Linux allows them): a decode step streams every weight once, and through 4 KiB pages the TLB misses cost a 4-row
+replay of the default target's linears 28 -> 21 ms on a 2-core Xeon (docs/performance.md). FLASHDRAFT_HUGE_PAGES=0
+keeps them in ordinary memory.
 """
 
 from __future__ import annotations
 
 import functools
+import mmap
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +31,8 @@ from . import kernels
 
 # Rows per call the blocked layout is tuned for: covers decode steps (1) and block verifies (<= 16) alike.
 BATCH_HINT = 8
+HUGE_PAGE = 2 << 20
+ARENA_CHUNK = 64 << 20  # weights are carved from chunks this large: at most one partly used huge page wasted a chunk
 
 
 def packable(device: torch.device | str, dtype: torch.dtype) -> bool:
@@ -49,12 +58,46 @@ class BlockedWeight:
     out_features: int
 
 
+def huge_pages_allowed() -> bool:
+    """Whether packed weights go to memory madvised for transparent huge pages (Linux; FLASHDRAFT_HUGE_PAGES=0: no)."""
+    return hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("FLASHDRAFT_HUGE_PAGES", "1") != "0"
+
+
+def huge_page_buffer(nbytes: int) -> torch.Tensor:
+    """uint8 [nbytes] starting on a 2 MiB boundary of private anonymous memory madvised for huge pages; it is unmapped
+    when the last tensor viewing it is freed (the tensor holds the mapping)."""
+    mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mm.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: pages are backed huge as they fault in
+    whole = torch.frombuffer(mm, dtype=torch.uint8)
+    start = -whole.data_ptr() % HUGE_PAGE
+    return whole[start:start + nbytes]
+
+
+_arena: dict = {"chunk": None, "used": 0}
+_arena_lock = threading.Lock()
+
+
+def huge_page_copy(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of x carved from the current huge-page chunk (a fresh chunk when it does not fit)."""
+    nbytes = -(-x.numel() * x.element_size() // 64) * 64  # 64-byte aligned, as the kernel's vector loads like
+    with _arena_lock:
+        chunk = _arena["chunk"]
+        if chunk is None or _arena["used"] + nbytes > chunk.numel():
+            chunk, _arena["used"] = huge_page_buffer(max(ARENA_CHUNK, nbytes)), 0
+            _arena["chunk"] = chunk
+        start = _arena["used"]
+        _arena["used"] += nbytes
+    out = chunk[start:start + x.numel() * x.element_size()].view(x.dtype).view(x.shape)
+    return out.copy_(x)
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | BlockedWeight:
     """weight [out, in] → a packed copy for `linear` (the original stays usable): flashdraft's blocked layout for
-    float32 where the native kernel is available, else an opaque oneDNN tensor."""
+    float32 where the native kernel is available (in huge pages where allowed), else an opaque oneDNN tensor."""
     weight = weight.detach()
     if weight.dtype == torch.float32 and kernels.available():
-        return BlockedWeight(torch.ops.flashdraft.matvec_pack(weight.contiguous()), weight.shape[0])
+        blocks = torch.ops.flashdraft.matvec_pack(weight.contiguous())
+        return BlockedWeight(huge_page_copy(blocks) if huge_pages_allowed() else blocks, weight.shape[0])
     return torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
 
 
