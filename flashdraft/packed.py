@@ -67,7 +67,10 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
     """uint8 [nbytes] starting on a 2 MiB boundary of private anonymous memory madvised for huge pages; it is unmapped
     when the last tensor viewing it is freed (the tensor holds the mapping)."""
     mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    mm.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: pages are backed huge as they fault in
+    try:
+        mm.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: pages are backed huge as they fault in
+    except OSError:  # a kernel built without transparent huge pages: ordinary pages, as before
+        pass
     whole = torch.frombuffer(mm, dtype=torch.uint8)
     start = -whole.data_ptr() % HUGE_PAGE
     return whole[start:start + nbytes]
