@@ -4,8 +4,8 @@ batch's expected tokens per second, from pass costs measured online and each req
 Costs: per batch size N (the shape the machine sees now), the part of a cycle that is not drafting (the padded
 verify of N rows, acceptance and commits) at padded width w, t_v(w); and, for every batch size alike (a drafter pass
 over D rows is the same work whatever the batch), drafting while D rows speculate, t_d(D) (those drafted
-by prompt lookup included: the plan cannot know which rows will skip the drafter): each amount measured is the running mean of its own recent measurements (exponential forgetting), so it follows the machine as it
-is now (another process taking the cores shows up within a few cycles); an amount not measured yet is read off the
+by prompt lookup included: the plan cannot know which rows will skip the drafter): each amount measured is the
+running mean of its own recent measurements (exponential forgetting), so it follows the machine as it is now (another process taking the cores shows up within a few cycles); an amount not measured yet is read off the
 line a + c·x through the measured ones. Acceptance: each request's drafts are kept with a running rate α (drafts
 kept / drafts kept + first rejections, from a prior: the pooled rate of the requests before it), so a width-w block
 yields E(w) = 1 + α + … + α^(w−1) tokens, its gain E − 1 scaled by what speculating rows have gained against that
