@@ -3,22 +3,24 @@ batch's expected tokens per second, from pass costs measured online and each req
 
 Costs: per batch size N (the shape the machine sees now), the part of a cycle that is not drafting (the padded
 verify of N rows, acceptance and commits) at padded width w, t_v(w); and, for every batch size alike (a drafter pass
-over D rows is the same work whatever the batch), drafting while D rows speculate, t_d(D) (those drafted
-by prompt lookup included: the plan cannot know which rows will skip the drafter): each amount measured is the
-running mean of its own recent measurements (exponential forgetting), so it follows the machine as it is now (another process taking the cores shows up within a few cycles); an amount not measured yet is read off the
-line a + c·x through the measured ones. Acceptance: each request's drafts are kept with a running rate α (drafts
-kept / drafts kept + first rejections, from a prior: the pooled rate of the requests before it), so a width-w block
-yields E(w) = 1 + α + … + α^(w−1) tokens, its gain E − 1 scaled by what speculating rows have gained against that
-estimate (a tree, and a tree grafted deeper by prompt lookup, gains more than its chain's E). The policy scans the widths, lets the rows whose expected gain does not
-pay for their drafter share decode plainly, and keeps the best Σ E / (t_v + t_d); it turns speculation on or off only
-for a gain above SWITCH_MARGIN. Each batch size keeps its own costs, plan and tries; one met first starts as the nearest
-measured size decided, planning on that size's costs scaled to its own first cycle. Now and then it tries the other
-choice instead (plain while speculating, every row's widest speculation while not: what the plan weighs), so a wrong
-choice is measured and undone: first after EXPLORE cycles, then, each time the plan stays as it was, after twice as
-many (and at least as many as keep the tries' expected cost under TRY_TAX of the time; up to EXPLORE_MAX), so that a
-clear choice is not taxed by re-checking it; a change of plan starts over at EXPLORE. While it decodes plainly, a
-request with fewer than MEASURE_NEW cycles of its own measured brings the next try forward to the earliest the
-TRY_TAX spacing allows: a new request's prior is the rate of the requests before it, which may be another workload's.
+over D rows is the same work whatever the batch), drafting while D rows speculate, t_d(D) (those drafted by prompt
+lookup included: the plan cannot know which rows will skip the drafter): each amount measured is the running mean of
+its own recent measurements (exponential forgetting), so it follows the machine as it is now (another process taking
+the cores shows up within a few cycles); an amount not measured yet is read off the line a + c·x through the
+measured ones. Acceptance: each request's drafts are kept with a running rate α (drafts kept / drafts kept + first
+rejections, from a prior: the pooled rate of the requests before it), so a width-w block yields E(w) = 1 + α + … +
+α^(w−1) tokens, its gain E − 1 scaled by what speculating rows have gained against that estimate (a tree, and a tree
+grafted deeper by prompt lookup, gains more than its chain's E). The policy scans the widths, lets the rows whose
+expected gain does not pay for their drafter share decode plainly, and keeps the best Σ E / (t_v + t_d); it turns
+speculation on or off only for a gain above SWITCH_MARGIN. Each batch size keeps its own costs, plan and tries; one
+met first starts as the nearest measured size decided, planning on that size's costs scaled to its own first cycle.
+Now and then it tries the other choice instead (plain while speculating, every row's widest speculation while not:
+what the plan weighs), so a wrong choice is measured and undone: first after EXPLORE cycles, then, each time the
+plan stays as it was, after twice as many (and at least as many as keep the tries' expected cost under TRY_TAX of
+the time; up to EXPLORE_MAX), so that a clear choice is not taxed by re-checking it; a change of plan starts over at
+EXPLORE. While it decodes plainly, a request with fewer than MEASURE_NEW cycles of its own measured brings the next
+try forward to the earliest the TRY_TAX spacing allows: a new request's prior is the rate of the requests before it,
+which may be another workload's.
 """
 
 from __future__ import annotations
