@@ -11,7 +11,7 @@ must not be packed (its copy would go stale), so only loaded, frozen models are.
 
 The packed float32 copies live in memory the kernel is asked to back with 2 MiB pages (transparent huge pages, where
 Linux allows them): a decode step streams every weight once, and through 4 KiB pages the TLB misses cost a 4-row
-replay of the default target's linears 28 -> 21 ms on a 2-core Xeon (docs/performance.md). FLASHDRAFT_HUGE_PAGES=0
+replay of the default target's linears 26 -> 21 ms on a 2-core Xeon (docs/performance.md). FLASHDRAFT_HUGE_PAGES=0
 keeps them in ordinary memory.
 """
 

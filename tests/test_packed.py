@@ -95,7 +95,7 @@ def test_sampling_on_packed_layers_follows_the_target():
                     reason="needs the native matvec kernel and Linux's madvise(MADV_HUGEPAGE)")
 def test_packed_weights_live_in_huge_page_memory_and_give_the_same_numbers(monkeypatch):
     """Packed float32 weights are carved from 2 MiB-aligned chunks madvised for transparent huge pages (a 4-row
-    replay of the default target's linears: 28 -> 21 ms on a 2-core Xeon); FLASHDRAFT_HUGE_PAGES=0 keeps them in
+    replay of the default target's linears: 26 -> 21 ms on a 2-core Xeon); FLASHDRAFT_HUGE_PAGES=0 keeps them in
     ordinary memory. Both give bit for bit the same results."""
     torch.manual_seed(0)
     w, x = torch.randn(200, 96), torch.randn(5, 96)
