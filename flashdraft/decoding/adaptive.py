@@ -255,7 +255,7 @@ class AdaptivePolicy:
     def __init__(self, max_width: int):
         self.widths = sorted({1, 2, 3, 4, 6, 8, 12, 16, max_width} & set(range(1, max_width + 1)))
         self.sizes: dict[int, BatchSize] = {}
-        # drafting's cost by rows drafted, shared by the batch sizes: kept per size, a size's one early measurement (the
+        # drafting's cost by rows speculating, shared by the batch sizes: kept per size, one early measurement (the
         # process's first drafter pass, ~4x a warm one) priced its drafting until its next try, up to 128 cycles later
         self.draft = CostModel()
         self.gain = GainScale()
