@@ -179,22 +179,23 @@ class Decoder:
         rows = self.active
         if not rows:
             return self.prefill_next()
-        widths = self.widths(rows)
+        seen = [Row(q.acceptance, self.max_width(q), self.span(q)) for q in rows]  # what the policy knows of each
+        widths = self.widths(rows, seen)
         t1 = now(self.device)
         proposals = self.propose(rows, widths)
         failed = [(q, Cycle([], 0, [])) for q in rows if q.error is not None]
         if failed:  # out of the batch before the verify
             self.drop([i for i, q in enumerate(rows) if q.error is not None])
             keep = [rows.index(q) for q in self.active]
-            proposals, widths, rows = [proposals[i] for i in keep], [widths[i] for i in keep], self.active
+            proposals, widths, seen = ([v[i] for i in keep] for v in (proposals, widths, seen))
+            rows = self.active
             if not rows:
                 return failed + self.prefill_next()
         t2 = now(self.device)
         blocks = [[q.tokens[-1]] + p.drafts.tolist() for q, p in zip(rows, proposals)]
         outs = self.verify(rows, blocks, [p.parents for p in proposals])
         t3 = now(self.device)
-        expected = [Row(q.acceptance, len(b), self.span(q)).expected_tokens(len(b))
-                    for q, b in zip(rows, blocks)]  # what the policy expects, before the acceptance moves
+        expected = [r.expected_tokens(len(b)) for r, b in zip(seen, blocks)]  # before the acceptance moves
         results = [(q, self.guarded(q, self.commit, i, q, p, out, blocks[i]) or Cycle(blocks[i], 0, []))
                    for i, (q, p, out) in enumerate(zip(rows, proposals, outs))]
         t4, width = now(self.device), max(len(b) for b in blocks)
@@ -239,12 +240,12 @@ class Decoder:
             q.error = e
             return None
 
-    def widths(self, rows: list[Request]) -> list[int]:
-        """Each row's verify width this cycle: the policy's for greedy rows; a sampled row always verifies its whole
-        block, because its random draws follow the widths and a seed must give what `generate` gives."""
-        own = [self.max_width(q) for q in rows]
-        chosen = self.policy.choose([Row(q.acceptance, w, self.span(q)) for q, w in zip(rows, own)])
-        return [c if q.settings.greedy else w for q, c, w in zip(rows, chosen, own)]
+    def widths(self, rows: list[Request], seen: list[Row]) -> list[int]:
+        """Each row's verify width this cycle (seen: what the policy knows of each): the policy's for greedy rows; a
+        sampled row always verifies its whole block, because its random draws follow the widths and a seed must give
+        what `generate` gives."""
+        chosen = self.policy.choose(seen)
+        return [c if q.settings.greedy else r.max_width for q, c, r in zip(rows, chosen, seen)]
 
     @staticmethod
     def span(q: Request) -> int | None:
