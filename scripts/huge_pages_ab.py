@@ -41,8 +41,6 @@ def replay_ms(model: torch.nn.Module, rows: int) -> float:
 
 def rates(t, d, prompts: list[str]) -> dict[str, float]:
     """Output tok/s of plain and speculative decoding, alone and batched (fixed blocks, 96 new tokens)."""
-    def rate(results) -> float:
-        return sum(len(r.output_ids) for r in results) / (time.perf_counter() - start)
     out = {}
     for name, fn in [("plain 1", lambda: [generate(t, None, prompts[0], max_new_tokens=96)]),
                      ("spec 1", lambda: [generate(t, d, prompts[0], max_new_tokens=96)]),
@@ -50,7 +48,8 @@ def rates(t, d, prompts: list[str]) -> dict[str, float]:
                      ("spec 4", lambda: generate_batch(t, d, prompts, max_batch=4, max_new_tokens=96, adaptive=False)),
                      ("plain 8", lambda: generate_batch(t, None, prompts, max_batch=8, max_new_tokens=96))]:
         start = time.perf_counter()
-        out[name] = rate(fn())
+        results = fn()
+        out[name] = sum(len(r.output_ids) for r in results) / (time.perf_counter() - start)
     return out
 
 

@@ -292,7 +292,8 @@ def test_drafting_is_priced_from_every_batch_sizes_drafter_passes():
 def test_the_plan_weighs_what_speculating_rows_gained_over_the_chain_model():
     """Logged on a server (gsm8k, 4 clients, trees with prompt lookup): 4 rows gained 10.70 tokens a cycle where
     E(w) expected 10.14, and at α ≈ 0.65 the chain model priced speculation just below plain decoding where it gave
-    1.15× its rate: the policy decoded plainly for 60–70 cycles at a time. The measured gain over the expected one scales the plan."""
+    1.15× its rate: the policy decoded plainly for 60–70 cycles at a time. The measured gain over the expected one
+    scales the plan."""
     pol = AdaptivePolicy(8)
     pol.observe(4, 8, 0.076, 4, 0.013)
     pol.observe(4, 1, 0.0375, 0, 0.0)
