@@ -9,8 +9,9 @@ its own recent measurements (exponential forgetting), so it follows the machine 
 the cores shows up within a few cycles); an amount not measured yet is read off the line a + c·x through the
 measured ones. Acceptance: each request's drafts are kept with a running rate α (drafts kept / drafts kept + first
 rejections, from a prior: the pooled rate of the requests before it), so a width-w block yields E(w) = 1 + α + … +
-α^(w−1) tokens, its gain E − 1 scaled by what speculating rows have gained against that estimate (a tree, and a tree
-grafted deeper by prompt lookup, gains more than its chain's E). The policy scans the widths, lets the rows whose
+α^(w−1) tokens, its gain E − 1 scaled by what the request's speculating cycles have gained against that estimate
+(from the pool's as its prior: a tree, more so one grafted deeper by prompt lookup, gains more than its chain's E, and
+chat requests gained less). The policy scans the widths, lets the rows whose
 expected gain does not pay for their drafter share decode plainly, and keeps the best Σ E / (t_v + t_d); it turns
 speculation on or off only for a gain above SWITCH_MARGIN. Each batch size keeps its own costs, plan and tries; one
 met first starts as the nearest measured size decided, planning on that size's costs scaled to its own first cycle.
@@ -33,11 +34,11 @@ EXPLORE_MAX = 128  # … doubling, while the plan does not change, up to this ma
 TRY_TAX = 0.01  # … and at least as many as keep the expected cost of tries under this share of the time
 PRIOR_KEPT, PRIOR_TRIED = 1.0, 2.0  # α starts at 0.5 and moves with each request's own cycles …
 PRIOR_POOLED = 8.0  # … or, in a decoder, at the rate of the requests before it, worth this many drafts
-POOL_HALF_LIFE = 256  # cycles: how quickly the pooled acceptance of all requests forgets
+POOL_HALF_LIFE = 64  # rows' cycles: how quickly the pool of all requests' cycles (a new request's prior) forgets
 SWITCH_MARGIN = 0.05  # the plan turns speculation on or off only for an expected gain of more than this
 MEASURE_NEW = 3  # while the batch decodes plainly, a request with fewer cycles of its own measured calls for a try
-GAIN_HALF_LIFE = 256  # speculating rows' cycles: how quickly the measured-over-expected gain forgets
-PRIOR_GAIN = 8.0  # … starting at 1 (the chain model) with the weight of this many expected tokens gained
+CLOSE = 0.10  # choices expected within this of each other are a close call: the other one is tried every EXPLORE cycles
+PRIOR_GAIN = 8.0  # a request's gain over the chain model starts at the pool's, worth this many expected tokens gained
 
 
 class CostModel:
@@ -92,20 +93,26 @@ class CostModel:
 
 @dataclass
 class Acceptance:
-    """A request's running draft acceptance: drafts kept, and cycles that ended in a rejection; with decay < 1 the
-    counts forget (the pool of all requests' cycles, which seeds a new request's prior)."""
+    """A request's running draft acceptance: drafts kept, and cycles that ended in a rejection; and the tokens its
+    speculating cycles gained beyond one against the E(w) − 1 that the chain model expected (a tree, and lookup
+    grafted onto it, keep more than the chain of its depth; in logged runs gsm8k requests gained 1.03–1.15× that,
+    chat ones 0.72–0.92×). With decay < 1 the counts forget (the pool of all requests' cycles, which seeds a new
+    request's priors)."""
 
     kept: float = PRIOR_KEPT
     rejected: float = PRIOR_TRIED - PRIOR_KEPT
+    expected: float = PRIOR_GAIN
+    gained: float = PRIOR_GAIN
     decay: float = 1.0
     pool: Acceptance | None = field(default=None, repr=False)  # told every observation too
     cycles: int = 0  # its own cycles with drafts
 
     @classmethod
     def seeded(cls, pool: Acceptance) -> Acceptance:
-        """A new request's acceptance: the pool's rate as its prior (a request is most likely like the ones before
-        it; starting from 1/2 kept a good drafter's requests decoding plainly until a try measured them)."""
-        return cls(PRIOR_POOLED * pool.rate, PRIOR_POOLED * (1 - pool.rate), pool=pool)
+        """A new request's acceptance: the pool's rate and gain as its priors (a request is most likely like the
+        ones before it; starting from 1/2 kept a good drafter's requests decoding plainly until a try measured them)."""
+        return cls(PRIOR_POOLED * pool.rate, PRIOR_POOLED * (1 - pool.rate), PRIOR_GAIN, PRIOR_GAIN * pool.scale,
+                   pool=pool)
 
     def observe(self, drafts: int, accepted: int) -> None:
         if drafts:
@@ -115,9 +122,22 @@ class Acceptance:
             if self.pool is not None:
                 self.pool.observe(drafts, accepted)
 
+    def observe_gain(self, expected: float, gained: float) -> None:
+        """A speculating cycle: the tokens beyond one that E expected of it (before this cycle moved α), and that
+        came."""
+        self.expected = self.expected * self.decay + expected
+        self.gained = self.gained * self.decay + gained
+        if self.pool is not None:
+            self.pool.observe_gain(expected, gained)
+
     @property
     def rate(self) -> float:
         return self.kept / (self.kept + self.rejected)
+
+    @property
+    def scale(self) -> float:
+        """Tokens gained over the chain model's expectation (bounded to 0.5–2)."""
+        return min(max(self.gained / max(self.expected, 1e-9), 0.5), 2.0)
 
     def expected_tokens(self, width: int) -> float:
         """Tokens a cycle emits verifying `width` positions (the anchor and width − 1 drafts)."""
@@ -126,28 +146,8 @@ class Acceptance:
 
 
 def pooled_acceptance() -> Acceptance:
-    """The acceptance of every request's cycles, recent ones weighing most: the prior of the next request."""
+    """The acceptance of every request's cycles, recent ones weighing most: the priors of the next request."""
     return Acceptance(decay=0.5 ** (1 / POOL_HALF_LIFE))
-
-
-@dataclass
-class GainScale:
-    """Tokens speculating rows gained beyond one a cycle, over what E(w) − 1 expected, forgetting old cycles: the
-    chain model E prices a draft tree by its depth, while a tree (and lookup grafted onto it) keeps more (a logged
-    gsm8k run at 4 rows: 10.70 tokens a cycle where 10.14 were expected), and plain decoding was chosen where
-    speculation gave 1.2× its rate."""
-
-    expected: float = PRIOR_GAIN
-    gained: float = PRIOR_GAIN
-    decay: float = 0.5 ** (1 / GAIN_HALF_LIFE)
-
-    def observe(self, rows: int, expected: float, gained: float) -> None:
-        d = self.decay ** rows
-        self.expected, self.gained = self.expected * d + expected, self.gained * d + gained
-
-    @property
-    def value(self) -> float:
-        return min(max(self.gained / max(self.expected, 1e-9), 0.5), 2.0)
 
 
 @dataclass
@@ -157,7 +157,6 @@ class Row:
     acceptance: Acceptance
     max_width: int  # its own block (or tree rows), capped by the tokens it is still owed
     span: int | None = None  # a tree: the most tokens a cycle can emit (its depth + 1); it verifies all its rows or none
-    scale: float = 1.0  # the measured gain over the modelled one (GainScale): what the plan weighs, not what it learns
 
     def width(self, w: int) -> int:
         """Its verify width in a batch of width w: a tree whole or not at all, a chain its first w positions."""
@@ -166,12 +165,13 @@ class Row:
         return min(w, self.max_width)
 
     def expected_tokens(self, width: int) -> float:
-        """The model's tokens for a cycle at `width` (unscaled: what the gain scale is measured against)."""
+        """The chain model's tokens for a cycle at `width` (what the request's gain is measured against)."""
         return self.acceptance.expected_tokens(width if self.span is None or width == 1 else self.span)
 
     def gain(self, width: int) -> float:
-        """Tokens beyond one that the plan expects of a cycle at `width`."""
-        return self.scale * (self.expected_tokens(width) - 1)
+        """Tokens beyond one that the plan expects of a cycle at `width`: the chain model's, scaled by what the
+        request's speculating cycles gained against it."""
+        return self.acceptance.scale * (self.expected_tokens(width) - 1)
 
 
 @dataclass
@@ -258,7 +258,6 @@ class AdaptivePolicy:
         # drafting's cost by rows speculating, shared by the batch sizes: kept per size, one early measurement (the
         # process's first drafter pass, ~4x a warm one) priced its drafting until its next try, up to 128 cycles later
         self.draft = CostModel()
-        self.gain = GainScale()
 
     def state(self, rows: int) -> BatchSize:
         return self.sizes.setdefault(rows, BatchSize())
@@ -272,8 +271,6 @@ class AdaptivePolicy:
         return self.sizes[min(sizes, key=lambda n: (abs(n - rows), n))] if sizes else None
 
     def choose(self, rows: list[Row]) -> list[int]:
-        for r in rows:
-            r.scale = self.gain.value
         b = self.state(len(rows))
         b.cycle += 1
         verify, draft = b.verify, self.draft
@@ -291,12 +288,12 @@ class AdaptivePolicy:
             b.tried = b.last_try = b.cycle
             b.next_try = float("inf")  # the plan of the next cycle sets the next try
             return [1] * len(rows) if b.speculating else [r.max_width for r in rows]
-        rate, chosen = plan(rows, self.widths, verify, draft)
-        speculating = max(chosen) > 1
-        if speculating != b.speculating:  # the expected gain of a switch must beat the noise of its estimate
-            kept_rate, kept = plan(rows, self.widths, verify, draft, b.speculating)
-            if kept_rate > 0 and rate < (1 + SWITCH_MARGIN) * kept_rate:
-                chosen, speculating = kept, b.speculating
+        spec_rate, spec_widths = plan(rows, self.widths, verify, draft, True)
+        plain_rate, plain_widths = plan(rows, self.widths, verify, draft, False)
+        kept, other = (spec_rate, plain_rate) if b.speculating else (plain_rate, spec_rate)
+        # the expected gain of a switch must beat the noise of its estimate
+        speculating = b.speculating != (other > (1 + SWITCH_MARGIN) * kept)
+        chosen = spec_widths if speculating else plain_widths
         if speculating != b.speculating:  # the plan changed (after a try, or as costs moved): re-check it soon
             b.interval, b.next_try = EXPLORE, b.cycle + EXPLORE
         elif b.tried:  # a try confirmed the plan: re-check it half as often, or rarer if a try costs much
@@ -305,10 +302,18 @@ class AdaptivePolicy:
             b.next_try = b.tried + b.interval
         b.tried = 0
         b.speculating = speculating
-        if not speculating and any(r.acceptance.cycles < MEASURE_NEW and r.max_width > 1 for r in rows) \
-                and b.cycle - b.last_try >= try_interval(rows, chosen, verify, draft):
+        if not speculating and any(r.acceptance.cycles < MEASURE_NEW and r.max_width > 1 for r in rows):
             # a request barely measured decodes plainly on its prior, the rate of the requests before it (another
             # workload's, maybe), and nothing else measures it: try next, as often as tries stay under TRY_TAX
+            soon = 0
+        elif max(spec_rate, plain_rate) < (1 + CLOSE) * min(spec_rate, plain_rate):
+            # a close call rests on the other choice's cost as its last tries measured it, one cycle each (one
+            # measured 15% slow under load kept two rows speculating for 55 cycles at 0.9x plain's rate): re-measure
+            # it every EXPLORE cycles, as cheap as the choices are close
+            soon = EXPLORE
+        else:
+            soon = None
+        if soon is not None and b.cycle - b.last_try >= max(soon, try_interval(rows, chosen, verify, draft)):
             b.next_try = min(b.next_try, b.cycle + 1)
         return chosen
 
@@ -318,11 +323,6 @@ class AdaptivePolicy:
         if drafting_rows:
             draft.observe(drafting_rows, draft_s)
 
-    def observe_tokens(self, rows: int, expected: float, gained: float) -> None:
-        """A cycle's speculating rows: the tokens beyond one each that the model expected of them, and that came."""
-        if rows:
-            self.gain.observe(rows, expected, gained)
-
 
 class FixedPolicy:
     """--fixed-block: every row verifies its own block (the pre-adaptive behaviour)."""
@@ -331,7 +331,4 @@ class FixedPolicy:
         return [r.max_width for r in rows]
 
     def observe(self, *args) -> None:
-        pass
-
-    def observe_tokens(self, *args) -> None:
         pass

@@ -203,8 +203,9 @@ class Decoder:
         # drafting is priced by the rows the plan let speculate: rows whose prompt lookup drafts skip the drafter,
         # and the plan cannot know which ahead, so the measured cost of D speculating rows carries their share
         self.policy.observe(len(rows), width, t4 - t2, sum(w > 1 for w in widths), t2 - t1)
-        spec = [i for i, (q, b) in enumerate(zip(rows, blocks)) if len(b) > 1 and q.error is None]
-        self.policy.observe_tokens(len(spec), sum(expected[i] - 1 for i in spec), sum(emitted[i] - 1 for i in spec))
+        for q, b, e, n in zip(rows, blocks, expected, emitted):
+            if len(b) > 1 and q.error is None:
+                q.acceptance.observe_gain(e - 1, n - 1)
         if self.cycle_log is not None:
             self.cycle_log.write(json.dumps({"rows": len(rows), "width": width, "widths": [len(b) for b in blocks],
                                              "draft_s": t2 - t1, "seconds": t4 - t1,
