@@ -22,7 +22,7 @@ def _check(model, drafter, state):
     torch.testing.assert_close(cached.logits[-1], fresh, atol=LOGIT_TOL, rtol=0)
     if drafter is None:
         return
-    pending = 0 if state.pending_features is None else state.pending_features.shape[0]
+    pending = state.pending
     assert state.draft_cache.length + pending == committed  # drafter context covers exactly the committed positions
     if state.draft_cache.length:
         ids = drafter.config.target_layer_ids

@@ -127,7 +127,9 @@ class Request:
     position: int = 0  # committed positions (in the target cache)
     prefilled: int = 0  # prompt tokens through the target so far
     draft_cache: ContextCache = field(default_factory=ContextCache)
-    pending_features: torch.Tensor | None = None  # [n, F] committed positions not yet in draft_cache
+    # committed positions not yet in draft_cache, [n_i, F] a piece, joined when taken (joining them every cycle
+    # copied all of them every cycle: quadratic in a plain stretch)
+    pending_features: list[torch.Tensor] = field(default_factory=list)
     stopped: bool = False
     error: Exception | None = None  # what it raised in a cycle: it left the batch, the others went on
     output: list[int] = field(default_factory=list)
@@ -156,13 +158,19 @@ class Request:
     def done(self) -> bool:
         return self.stopped or self.room <= 0 or self.error is not None
 
+    @property
+    def pending(self) -> int:
+        """Committed positions whose features the drafter has not taken yet."""
+        return sum(f.shape[0] for f in self.pending_features)
+
     def take_pending(self) -> torch.Tensor:
-        feats, self.pending_features = self.pending_features, None
-        return feats
+        """[n, F]: the features of every committed position the drafter has not seen, oldest first."""
+        feats, self.pending_features = self.pending_features, []
+        return feats[0] if len(feats) == 1 else torch.cat(feats, 0)
 
     def add_pending(self, feats: torch.Tensor) -> None:
-        p = self.pending_features
-        self.pending_features = feats if p is None else torch.cat([p, feats], 0)
+        if self.settings.block_size > 1:  # a request of block size 1 never drafts: nothing would take them
+            self.pending_features.append(feats)
 
     def settle(self, proposed: list[int]) -> list[int]:
         """What a cycle emits of the tokens it produced: cut after the first stop token and to the room left."""
