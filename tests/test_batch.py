@@ -562,7 +562,7 @@ def test_a_close_call_re_measures_the_other_choice_soon():
         plain_s = 0.080  # the machine's real plain step from now on
     settled = next(i for i in range(len(spec)) if not any(spec[i: i + 3]))  # three plain cycles in a row
     assert settled <= 2 * EXPLORE + 2 and not policy.state(2).speculating, spec[:40]
-    wasted = 0.146 - rows[0].expected_tokens(8) * 2 * 0.080 / 2  # a try's seconds beyond plain's for its tokens
+    wasted = 0.146 - rows[0].expected_tokens(8) * 0.080  # a try's seconds beyond plain's (a token a row a step)
     assert sum(spec[settled:]) * wasted < 0.015 * len(spec) * 0.080  # then tries, about TRY_TAX of the time
 
 
