@@ -10,11 +10,11 @@ the cores shows up within a few cycles); an amount not measured yet is read off 
 measured ones. Acceptance: each request's drafts are kept with a running rate α (drafts kept / drafts kept + first
 rejections, from a prior: the pooled rate of the requests before it), so a width-w block yields E(w) = 1 + α + … +
 α^(w−1) tokens, its gain E − 1 scaled by what the request's speculating cycles have gained against that estimate
-(from the pool's as its prior: a tree, more so one grafted deeper by prompt lookup, gains more than its chain's E, and
-chat requests gained less). The policy scans the widths, lets the rows whose
-expected gain does not pay for their drafter share decode plainly, and keeps the best Σ E / (t_v + t_d); it turns
-speculation on or off only for a gain above SWITCH_MARGIN. Each batch size keeps its own costs, plan and tries; one
-met first starts as the nearest measured size decided, planning on that size's costs scaled to its own first cycle.
+at today's α (from the pool's as its prior: a tree, more so one grafted deeper by prompt lookup, gains more than its
+chain's E). The policy scans the widths, lets the rows whose expected gain does not pay for their drafter share
+decode plainly, and keeps the best Σ E / (t_v + t_d); it turns speculation on or off only for a gain above
+SWITCH_MARGIN. Each batch size keeps its own costs, plan and tries; one met first starts as the nearest measured
+size decided, planning on that size's costs scaled to its own first cycle.
 Now and then it tries the other choice instead (plain while speculating, every row's widest speculation while not:
 what the plan weighs), so a wrong choice is measured and undone: first after EXPLORE cycles, then, each time the
 plan stays as it was, after twice as many (and at least as many as keep the tries' expected cost under TRY_TAX of
@@ -27,6 +27,7 @@ which may be another workload's.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 HALF_LIFE = 24  # observations: how quickly measured costs forget (contention changes are seen within ~a dozen)
 EXPLORE = 8  # cycles before the other choice is tried (plain if speculating, the widest speculation if not) …
@@ -94,15 +95,16 @@ class CostModel:
 @dataclass
 class Acceptance:
     """A request's running draft acceptance: drafts kept, and cycles that ended in a rejection; and the tokens its
-    speculating cycles gained beyond one against the E(w) − 1 that the chain model expected (a tree, and lookup
-    grafted onto it, keep more than the chain of its depth; in logged runs gsm8k requests gained 1.03–1.15× that,
-    chat ones 0.72–0.92×). With decay < 1 the counts forget (the pool of all requests' cycles, which seeds a new
+    speculating cycles gained beyond one, against what the chain model expects of them at the rate it has now (a
+    tree, and lookup grafted onto it, keep more than the chain of its depth: in logged runs gsm8k requests gained
+    1.03–1.15× that). With decay < 1 the counts forget (the pool of all requests' cycles, which seeds a new
     request's priors)."""
 
     kept: float = PRIOR_KEPT
     rejected: float = PRIOR_TRIED - PRIOR_KEPT
-    expected: float = PRIOR_GAIN
-    gained: float = PRIOR_GAIN
+    gained: float = PRIOR_GAIN  # tokens beyond one its speculating cycles emitted, after PRIOR_GAIN × the prior scale
+    spec_widths: dict[int, float] = field(default_factory=dict)  # its speculating cycles by chain width
+    prior: float = PRIOR_GAIN  # the expected tokens that the prior scale is worth
     decay: float = 1.0
     pool: Acceptance | None = field(default=None, repr=False)  # told every observation too
     cycles: int = 0  # its own cycles with drafts
@@ -111,8 +113,7 @@ class Acceptance:
     def seeded(cls, pool: Acceptance) -> Acceptance:
         """A new request's acceptance: the pool's rate and gain as its priors (a request is most likely like the
         ones before it; starting from 1/2 kept a good drafter's requests decoding plainly until a try measured them)."""
-        return cls(PRIOR_POOLED * pool.rate, PRIOR_POOLED * (1 - pool.rate), PRIOR_GAIN, PRIOR_GAIN * pool.scale,
-                   pool=pool)
+        return cls(PRIOR_POOLED * pool.rate, PRIOR_POOLED * (1 - pool.rate), PRIOR_GAIN * pool.scale, pool=pool)
 
     def observe(self, drafts: int, accepted: int) -> None:
         if drafts:
@@ -122,13 +123,15 @@ class Acceptance:
             if self.pool is not None:
                 self.pool.observe(drafts, accepted)
 
-    def observe_gain(self, expected: float, gained: float) -> None:
-        """A speculating cycle: the tokens beyond one that E expected of it (before this cycle moved α), and that
-        came."""
-        self.expected = self.expected * self.decay + expected
+    def observe_gain(self, width: int, gained: float) -> None:
+        """A speculating cycle: its chain width (what Row.chain_width gives) and the tokens beyond one it emitted."""
+        if self.decay < 1:
+            self.spec_widths = {w: n * self.decay for w, n in self.spec_widths.items()}
+            self.prior *= self.decay
+        self.spec_widths[width] = self.spec_widths.get(width, 0.0) + 1
         self.gained = self.gained * self.decay + gained
         if self.pool is not None:
-            self.pool.observe_gain(expected, gained)
+            self.pool.observe_gain(width, gained)
 
     @property
     def rate(self) -> float:
@@ -136,8 +139,14 @@ class Acceptance:
 
     @property
     def scale(self) -> float:
-        """Tokens gained over the chain model's expectation (bounded to 0.5–2)."""
-        return min(max(self.gained / max(self.expected, 1e-9), 0.5), 2.0)
+        """Tokens gained over what the chain model expects of the same cycles at today's rate (bounded to 0.5–2).
+
+        Today's rate, not each cycle's own: a request starts at the pool's rate, and a chat request after gsm8k
+        ones started at α 0.68 and settled at 0.39; priced by the cycles' own rates, its early cycles had expected
+        far more than came, its scale fell to 0.67 where its gains matched the chain model's, and it decoded plainly
+        for 75 cycles at 0.85× speculation's rate."""
+        expected = self.prior + sum(n * (self.expected_tokens(w) - 1) for w, n in self.spec_widths.items())
+        return min(max(self.gained / max(expected, 1e-9), 0.5), 2.0)
 
     def expected_tokens(self, width: int) -> float:
         """Tokens a cycle emits verifying `width` positions (the anchor and width − 1 drafts)."""
@@ -164,14 +173,23 @@ class Row:
             return self.max_width if w > 1 else 1
         return min(w, self.max_width)
 
+    def chain_width(self, width: int) -> int:
+        """The chain the model prices a cycle at `width` as: a tree's by its span (its depth + 1)."""
+        return width if self.span is None or width == 1 else self.span
+
     def expected_tokens(self, width: int) -> float:
         """The chain model's tokens for a cycle at `width` (what the request's gain is measured against)."""
-        return self.acceptance.expected_tokens(width if self.span is None or width == 1 else self.span)
+        return self.acceptance.expected_tokens(self.chain_width(width))
+
+    @cached_property
+    def scale(self) -> float:
+        """The request's gain over the chain model (once a cycle: the plan asks for it at every width)."""
+        return self.acceptance.scale
 
     def gain(self, width: int) -> float:
         """Tokens beyond one that the plan expects of a cycle at `width`: the chain model's, scaled by what the
         request's speculating cycles gained against it."""
-        return self.acceptance.scale * (self.expected_tokens(width) - 1)
+        return self.scale * (self.expected_tokens(width) - 1)
 
 
 @dataclass

@@ -195,7 +195,8 @@ class Decoder:
         blocks = [[q.tokens[-1]] + p.drafts.tolist() for q, p in zip(rows, proposals)]
         outs = self.verify(rows, blocks, [p.parents for p in proposals])
         t3 = now(self.device)
-        expected = [r.expected_tokens(len(b)) for r, b in zip(seen, blocks)]  # before the acceptance moves
+        if self.cycle_log is not None:  # before the acceptance moves
+            expected = [r.expected_tokens(len(b)) for r, b in zip(seen, blocks)]
         results = [(q, self.guarded(q, self.commit, i, q, p, out, blocks[i]) or Cycle(blocks[i], 0, []))
                    for i, (q, p, out) in enumerate(zip(rows, proposals, outs))]
         t4, width = now(self.device), max(len(b) for b in blocks)
@@ -203,9 +204,9 @@ class Decoder:
         # drafting is priced by the rows the plan let speculate: rows whose prompt lookup drafts skip the drafter,
         # and the plan cannot know which ahead, so the measured cost of D speculating rows carries their share
         self.policy.observe(len(rows), width, t4 - t2, sum(w > 1 for w in widths), t2 - t1)
-        for q, b, e, n in zip(rows, blocks, expected, emitted):
+        for q, r, b, n in zip(rows, seen, blocks, emitted):
             if len(b) > 1 and q.error is None:
-                q.acceptance.observe_gain(e - 1, n - 1)
+                q.acceptance.observe_gain(r.chain_width(len(b)), n - 1)
         if self.cycle_log is not None:
             self.cycle_log.write(json.dumps({"rows": len(rows), "width": width, "widths": [len(b) for b in blocks],
                                              "draft_s": t2 - t1, "seconds": t4 - t1,

@@ -17,6 +17,7 @@ import torch
 
 from ..decoding import Cycle, DecodeSettings, Decoder, GenerationResult, Request
 from ..decoding.settings import PREFILL_CHUNK
+from .. import target as T
 from ..models import Target
 from ..target_batch import supports_batch
 
@@ -25,6 +26,7 @@ log = logging.getLogger("flashdraft.serve")
 RATE_WINDOW_S = 10.0  # /metrics tokens per second: output tokens over this many recent seconds
 HOLD_IDS = 64  # the detokenizer's window never waits for a character to complete over more ids than this
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+WARM_UP = ((24, 12), (40, 20))  # made-up requests run before the first real one: (prompt tokens, new tokens)
 
 
 @dataclass
@@ -293,6 +295,7 @@ class Worker:
         """Admit waiting jobs into free rows, drop cancelled or late ones, run one batched cycle; repeat."""
         if self.threads:
             torch.set_num_threads(self.threads)
+        self.warm_up()
         dec = self.decoder()
         self.tokens.get()  # this thread's tokenizer copy, made before the first request needs it
         while self.admit(dec):
@@ -314,6 +317,22 @@ class Worker:
                     self.fail(dec, seq.key, seq.error)
                 else:
                     self.advance(dec, seq.key, cycle)
+
+    def warm_up(self) -> None:
+        """Two made-up greedy requests through a decoder that is then thrown away: a process's first passes are
+        several times slower than warm ones (its first drafter pass over two rows took 61 ms where warm ones take 9),
+        and the first request's decoder would take them for the machine's costs."""
+        model = self.target.model
+        dec, vocab, limit = self.decoder(), T.vocab_size(model), T.context_limit(model)
+        try:
+            for prompt, new in WARM_UP:
+                dec.join([(7 * i + 3) % vocab for i in range(min(prompt, limit // 2))],
+                         self.settings.updated(max_new_tokens=min(new, limit // 4), temperature=0.0,
+                                               stop_token_ids=()))
+            while dec.busy:
+                dec.step()
+        except Exception as e:  # noqa: BLE001 - the requests will meet it again and report it on their own
+            log.error("the warm-up decode failed", exc_info=e)
 
     def admit(self, dec: Decoder) -> bool:
         """Join waiting jobs while there are free rows (waiting for one when idle); False once stopped."""
