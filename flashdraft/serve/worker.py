@@ -15,9 +15,9 @@ from typing import Callable
 
 import torch
 
+from .. import target as T
 from ..decoding import Cycle, DecodeSettings, Decoder, GenerationResult, Request
 from ..decoding.settings import PREFILL_CHUNK
-from .. import target as T
 from ..models import Target
 from ..target_batch import supports_batch
 
