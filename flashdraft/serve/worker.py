@@ -320,8 +320,8 @@ class Worker:
 
     def warm_up(self) -> None:
         """Two made-up greedy requests through a decoder that is then thrown away: a process's first passes are
-        several times slower than warm ones (its first drafter pass over two rows took 61 ms where warm ones take 9),
-        and the first request's decoder would take them for the machine's costs."""
+        several times slower than warm ones (its first drafter pass over two rows: 61 ms, warm ones 8.6), and the
+        first request's decoder would take them for the machine's costs."""
         model = self.target.model
         dec, vocab, limit = self.decoder(), T.vocab_size(model), T.context_limit(model)
         try:
