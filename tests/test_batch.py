@@ -343,7 +343,7 @@ def test_a_request_s_gain_is_weighed_at_its_rate_now_not_at_its_prior():
             chat.observe(7, a)
             chat.observe_gain(8, a)
     assert 0.35 < chat.rate < 0.45  # its prior still weighs on α, as on the server
-    # what the plan expects of its next cycle is what its cycles gave (was 0.34: 0.68 of it)
+    # what the plan expects of its next cycle is what its cycles gave (weighed at each cycle's own α: 0.38)
     assert Row(chat, 8).gain(8) == pytest.approx(0.5, rel=0.15)
 
 

@@ -563,7 +563,7 @@ def test_access_flags_reach_the_running_server(tmp_path, monkeypatch):
 
 def test_the_worker_warms_up_on_a_decoder_it_then_drops(tiny, monkeypatch, caplog):
     """A process's first passes are several times slower than warm ones (the first drafter pass over two rows: 61 ms
-    against 9): made-up requests take them on a decoder of their own, at two rows and one, speculating and not, and
+    against 8.6): made-up requests take them on a decoder of their own, at two rows and one, speculating and not, and
     the decoder that serves starts with no measurements."""
     made, make = [], Worker.decoder
     monkeypatch.setattr(Worker, "decoder", lambda self: made.append(make(self)) or made[-1])
