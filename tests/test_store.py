@@ -124,6 +124,23 @@ def test_parts_share_one_store(target, tmp_path):
     assert len(keys) == len(set(keys)) == 14 and len({e["file"] for e in m["shards"]}) == len(m["shards"])
 
 
+def test_a_store_grown_at_float32_goes_on_at_bfloat16_without_answering_again(tiny_dir, target, tmp_path):
+    store = tmp_path / "tokens"
+    run(target, store, max_samples=6)
+    bf16 = load_target(str(tiny_dir), dtype="bfloat16")
+    lines = []
+    s = run(bf16, store, max_samples=10, log=lines.append)
+    assert "6 of the 10 prompts chosen were answered before" in lines[0]
+    m = read_manifest(store)
+    dtypes = [e["settings"]["dtype"] for e in m["shards"]]
+    assert dtypes.count("bfloat16") == len(dtypes) - dtypes.index("bfloat16") > 0  # the dtype is recorded per shard
+    keys = [k for e in m["shards"] for k in e["prompt_keys"]]
+    assert len(keys) == len(set(keys)) == 10 and s["sequences"] == 10  # counted together, each prompt once
+    assert len(load_store(store)) == 10
+    # any other setting still asks for answers of its own
+    assert run(bf16, store, max_new_tokens=6, max_samples=2)["sequences"] == 2
+
+
 def test_train_reads_the_store_and_filters_sources(target, tmp_path):
     store = tmp_path / "tokens"
     run(target, store)

@@ -13,8 +13,9 @@ A manifest entry: file, sha256 and bytes of the file, source, target (name), tar
 settings (temperature, max_new_tokens, dtype, seed, chat: what decides the answers), device, sequences,
 prompt_tokens, response_tokens, unfinished, prompt_index ([first, last] position in the source as read) and
 prompt_keys (prompt_key() per sequence, in order). Shards are only ever added, so a committed file never changes;
-a prompt answered by the same target checksum with the same settings is never generated again. Features are
-recomputed from the ids when training, never stored.
+a prompt answered by the same target checksum with the same settings, at whichever dtype, is never generated again
+(answers at float32 and bfloat16 differ only where logits nearly tie: one answer per prompt is what training wants).
+Features are recomputed from the ids when training, never stored.
 """
 
 from __future__ import annotations
@@ -154,9 +155,15 @@ def generation_settings(model, max_new_tokens: int, temperature: float, seed: in
             "seed": seed if temperature > 0 else None, "chat": chat}
 
 
+def same_answers(a: dict, b: dict) -> bool:
+    """Whether two shards' settings ask for the same answers: all but the dtype, which is recorded but only moves
+    the answers at near-ties (a store grown at float32 goes on at bfloat16 where that is faster, docs/data.md)."""
+    return {k: v for k, v in a.items() if k != "dtype"} == {k: v for k, v in b.items() if k != "dtype"}
+
+
 def done_keys(manifest: dict, target_sha: str, settings: dict) -> set[str]:
-    """Prompts already answered by this target with these settings."""
-    return {k for e in manifest["shards"] if e["target_sha256"] == target_sha and e["settings"] == settings
+    """Prompts already answered by this target with these settings, at any dtype."""
+    return {k for e in manifest["shards"] if e["target_sha256"] == target_sha and same_answers(e["settings"], settings)
             for k in e["prompt_keys"]}
 
 
@@ -304,9 +311,10 @@ def store_dev_files(store: str | Path, sources: list[str] | None = None) -> list
 
 
 def store_summary(store: Path, target_sha: str | None = None, settings: dict | None = None) -> dict:
-    """Counts from the manifest: all shards, and those of one target and settings."""
+    """Counts from the manifest: all shards, and those of one target and settings (at any dtype)."""
     shards = read_manifest(store)["shards"]
-    mine = [e for e in shards if target_sha is None or (e["target_sha256"] == target_sha and e["settings"] == settings)]
+    mine = [e for e in shards
+            if target_sha is None or (e["target_sha256"] == target_sha and same_answers(e["settings"], settings))]
     by_source: dict[str, int] = {}
     for e in mine:
         by_source[e["source"]] = by_source.get(e["source"], 0) + e["sequences"]
