@@ -56,6 +56,7 @@ class LeanModel:
     scaling: float
     pack: bool
     fused: bool  # norms and SiLU·up through flashdraft's fused CPU ops (packed float32 with the kernels built)
+    ragged_kernel: bool  # plain steps attend through csrc/attention.cpp (float32 or bfloat16 on CPU, kernels built)
     params: list[torch.nn.Parameter]  # the source weights (walking the module tree per forward costs ms); a
     # Parameter replaced by a new object is not seen: call target.use_lean again after such surgery
     stamp: tuple  # their storage and version when the fused copies were taken
@@ -119,10 +120,12 @@ def lean_model(model: PreTrainedModel, pack: bool = False) -> LeanModel | None:
     a = model.model.layers[0].self_attn
     heads = cfg.num_attention_heads
     w = model.lm_head.weight
-    fused = pack and w.device.type == "cpu" and w.dtype == torch.float32 and kernels.available()
+    native = w.device.type == "cpu" and kernels.available()
+    fused = pack and native and w.dtype == torch.float32
     return LeanModel(layers, model.model.embed_tokens, model.model.rotary_emb, model.model.norm.weight.detach(),
                      _weight(w), cfg.rms_norm_eps, heads, getattr(cfg, "num_key_value_heads", None) or heads,
-                     a.head_dim, a.scaling, pack, fused, params, stamp(params))
+                     a.head_dim, a.scaling, pack, fused, native and w.dtype in (torch.float32, torch.bfloat16), params,
+                     stamp(params))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -152,8 +155,8 @@ RAGGED_MAX_WIDTH = 1
 
 def ragged(lm: LeanModel, width: int) -> bool:
     """Whether a forward of `width` positions per row attends with the ragged kernel (csrc/attention.cpp): float32
-    on CPU with the kernels built, at decode widths."""
-    return lm.fused and width <= RAGGED_MAX_WIDTH
+    or bfloat16 on CPU with the kernels built, at decode widths."""
+    return lm.ragged_kernel and width <= RAGGED_MAX_WIDTH
 
 
 def lean_forward(lm: LeanModel, ids: torch.Tensor, pos: torch.Tensor, cache: DynamicCache,

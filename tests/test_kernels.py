@@ -120,10 +120,25 @@ def test_ragged_attention_matches_sdpa(lens, widths, tree):
 
 
 @needs_kernel
-def test_ragged_attention_of_a_row_does_not_depend_on_the_batch_or_width():
+@pytest.mark.parametrize("lens,widths,tree", [([5], [1], False), ([7, 400, 3], [1, 1, 1], False),
+                                              ([12, 3, 33, 20], [4, 2, 4, 1], False), ([9, 50], [8, 5], True)])
+def test_ragged_attention_reads_bfloat16(lens, widths, tree):
+    """bfloat16 q, K, V (a bfloat16 target's cache): computed in float32, the output rounded once to bfloat16."""
+    q, keys, values, lens_t, see = (t.bfloat16() if t.is_floating_point() else t
+                                    for t in ragged_case(lens, widths, tree=tree))
+    got = torch.ops.flashdraft.ragged_attention(q, keys, values, lens_t, see, 0.125)
+    assert got.dtype == torch.bfloat16 and got.shape == (len(lens), max(widths), 9, 64)
+    want = sdpa_reference(q, keys, values, lens_t, see, 0.125)  # float64 over the same bfloat16 values
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -8, atol=2 ** -8)  # one bfloat16 rounding
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ragged_attention_of_a_row_does_not_depend_on_the_batch_or_width(dtype):
     """Bit for bit: a row's outputs are the same alone, beside other rows, and padded to a wider block — so a verify
     attends exactly as the plain steps it replaces."""
-    q, keys, values, lens, see = ragged_case([20, 7, 64], [3, 1, 8], seed=1)
+    q, keys, values, lens, see = (t.to(dtype) if t.is_floating_point() else t
+                                  for t in ragged_case([20, 7, 64], [3, 1, 8], seed=1))
     batch = torch.ops.flashdraft.ragged_attention(q, keys, values, lens, see, 0.125)
     for i, k in enumerate([3, 1, 8]):
         alone = torch.ops.flashdraft.ragged_attention(q[i:i + 1, :, :k], keys[i:i + 1], values[i:i + 1], lens[i:i + 1],

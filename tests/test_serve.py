@@ -412,8 +412,10 @@ def test_sigterm_finishes_admitted_work_cancels_the_rest_and_exits_0(request, di
     target, drafter = dirs
     srv = start(request, "--target", str(target), "--drafter", str(drafter), "--shutdown-timeout", "5")
     client = client_for(srv)
-    want = client.completions.create(model=MODEL, prompt="short", max_tokens=200, temperature=0).choices[0].text
-    short = client.completions.create(model=MODEL, prompt="short", max_tokens=200, temperature=0, stream=True)
+    # 1,000 tokens: ~0.8 s alone here, so the long request joins while it runs (at 200, 0.15 s, it once ended first
+    # in a full-suite run), and well inside --shutdown-timeout on a slower machine
+    want = client.completions.create(model=MODEL, prompt="short", max_tokens=1000, temperature=0).choices[0].text
+    short = client.completions.create(model=MODEL, prompt="short", max_tokens=1000, temperature=0, stream=True)
     first = next(iter(short))
     long = raw_post(srv.port, "/v1/completions", {"model": MODEL, "prompt": "long", "max_tokens": LONG})
     wait_until(lambda: srv.request("GET", "/health")[1]["running"] == 2, 15, "the long request to join the batch")

@@ -5,7 +5,9 @@
 // the longest one, and the mask is built and read each layer. Here row n reads exactly lens[n] + W keys, each
 // once for all the queries of its group of heads (grouped-query attention). Work is split over (row, kv head)
 // pairs only: a query's scores, softmax and weighted sum run over its keys in order, so its output does not depend
-// on the other rows, the block width or the number of threads. float32; any strides with a contiguous last dim.
+// on the other rows, the block width or the number of threads. float32, or bfloat16 read into float32 lanes (the
+// scores, softmax and sums in float32, the output rounded once, as SDPA's CPU kernel does); any strides with a
+// contiguous last dim.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -36,6 +38,17 @@ inline vec load(const float* p) {
   return v;
 }
 
+// 16 bfloat16 as float32: each is the high half of its float's bits.
+inline vec load(const at::BFloat16* p) {
+  typedef uint16_t hvec __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+  hvec h;
+  std::memcpy(&h, p, sizeof(hvec));
+  ivec bits = __builtin_convertvector(h, ivec) << 16;
+  vec v;
+  std::memcpy(&v, &bits, sizeof(vec));
+  return v;
+}
+
 // The 16 lanes summed as a fixed tree (halves, quarters, ...): four shuffles, the same order for every dot.
 inline float hsum(vec v) {
   v += __builtin_shuffle(v, ivec{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
@@ -46,12 +59,13 @@ inline float hsum(vec v) {
 }
 
 // Σ x[d]·k[d]: 16 lanes of fused multiply-adds, the lanes as a tree, then the tail.
-inline float dot(const float* x, const float* k, int64_t D) {
+template <typename T>
+inline float dot(const float* x, const T* k, int64_t D) {
   vec acc = {};
   int64_t d = 0;
   for (; d + kLanes <= D; d += kLanes) acc += load(x + d) * load(k + d);
   float s = hsum(acc);
-  for (; d < D; ++d) s += x[d] * k[d];
+  for (; d < D; ++d) s += x[d] * static_cast<float>(k[d]);
   return s;
 }
 
@@ -78,10 +92,10 @@ inline vec exp16(vec x) {
 
 // q [N, H, W, D] (rotated queries), keys / values [N, KVH, P, D] with P >= lens[n] + W (row n's block at
 // lens[n] .. lens[n] + W - 1), lens [N] int64, see [N, W, W] bool (query j sees block key m) → out [N, W, H, D].
-torch::Tensor ragged_attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
-                               const torch::Tensor& lens_in, const torch::Tensor& see_in, double scale) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat &&
-              values.scalar_type() == at::kFloat, "ragged_attention: float32 only");
+template <typename T>
+torch::Tensor ragged_attention_of(const torch::Tensor& q_in, const torch::Tensor& keys, const torch::Tensor& values,
+                                  const torch::Tensor& lens_in, const torch::Tensor& see_in, double scale) {
+  const auto q = q_in.to(at::kFloat);  // the queries once in float32 (a copy only for bfloat16)
   TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.dim() == 4, "ragged_attention: 4-d q, keys, values");
   TORCH_CHECK(q.stride(3) == 1 && keys.stride(3) == 1 && values.stride(3) == 1,
               "ragged_attention: the head dimension must be contiguous");
@@ -96,8 +110,8 @@ torch::Tensor ragged_attention(const torch::Tensor& q, const torch::Tensor& keys
   const bool* sp = see.data_ptr<bool>();
   auto out = torch::empty({N, W, H, D}, q.options());
   const float* qp = q.data_ptr<float>();
-  const float* kp = keys.data_ptr<float>();
-  const float* vp = values.data_ptr<float>();
+  const T* kp = keys.data_ptr<T>();
+  const T* vp = values.data_ptr<T>();
   float* op = out.data_ptr<float>();
   const int64_t G = H / KVH, Q = G * W;  // queries per (row, kv head)
   const float fscale = static_cast<float>(scale), ninf = -std::numeric_limits<float>::infinity();
@@ -106,8 +120,8 @@ torch::Tensor ragged_attention(const torch::Tensor& q, const torch::Tensor& keys
     std::vector<const float*> qrow(Q);
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n = b / KVH, g = b % KVH, len = lp[n], L = len + W;
-      const float* kb = kp + n * keys.stride(0) + g * keys.stride(1);
-      const float* vb = vp + n * values.stride(0) + g * values.stride(1);
+      const T* kb = kp + n * keys.stride(0) + g * keys.stride(1);
+      const T* vb = vp + n * values.stride(0) + g * values.stride(1);
       const int64_t ks = keys.stride(2), vs = values.stride(2);
       for (int64_t h = 0; h < G; ++h)
         for (int64_t j = 0; j < W; ++j)
@@ -115,7 +129,7 @@ torch::Tensor ragged_attention(const torch::Tensor& q, const torch::Tensor& keys
       const int64_t Lp = (L + kLanes - 1) / kLanes * kLanes;  // each query's scores padded to whole vectors
       scores.assign(Q * Lp, ninf);  // [Q, Lp]; a key a query may not see stays -inf
       for (int64_t t = 0; t < L; ++t) {  // each key row read once for all the queries of its group
-        const float* k = kb + t * ks;
+        const T* k = kb + t * ks;
         for (int64_t i = 0; i < Q; ++i)
           if (t < len || sp[(n * W + i % W) * W + (t - len)]) scores[i * Lp + t] = dot(qrow[i], k, D) * fscale;
       }
@@ -134,7 +148,7 @@ torch::Tensor ragged_attention(const torch::Tensor& q, const torch::Tensor& keys
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < L; ++t) {  // Σ p·v, each value row read once for all queries
-        const float* v = vb + t * vs;
+        const T* v = vb + t * vs;
         for (int64_t i = 0; i < Q; ++i) {
           const float p = scores[i * Lp + t];
           if (p == 0.f) continue;
@@ -144,7 +158,7 @@ torch::Tensor ragged_attention(const torch::Tensor& q, const torch::Tensor& keys
             const vec r = load(a + d) + splat(p) * load(v + d);
             std::memcpy(a + d, &r, sizeof(vec));
           }
-          for (; d < D; ++d) a[d] += p * v[d];
+          for (; d < D; ++d) a[d] += p * static_cast<float>(v[d]);
         }
       }
       for (int64_t i = 0; i < Q; ++i) {
@@ -155,7 +169,16 @@ torch::Tensor ragged_attention(const torch::Tensor& q, const torch::Tensor& keys
       }
     }
   });
-  return out;
+  return out.to(q_in.scalar_type());
+}
+
+torch::Tensor ragged_attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+                               const torch::Tensor& lens, const torch::Tensor& see, double scale) {
+  const auto t = keys.scalar_type();
+  TORCH_CHECK((t == at::kFloat || t == at::kBFloat16) && q.scalar_type() == t && values.scalar_type() == t,
+              "ragged_attention: q, keys and values all float32 or all bfloat16");
+  return t == at::kFloat ? ragged_attention_of<float>(q, keys, values, lens, see, scale)
+                         : ragged_attention_of<at::BFloat16>(q, keys, values, lens, see, scale);
 }
 
 }  // namespace
