@@ -30,9 +30,10 @@
 # main's knobs (environment): BUDGET_S (480: wall seconds for the whole command; give the job a time limit of
 # BUDGET_S + 60), PREP_FRAC (0.6 of the time after setup goes to prepare, the rest to train), CONCURRENT=1 (prepare
 # and train side by side for the whole time instead; train then sees only the shards written before it loads),
-# BATCH (128 prompts in flight), TRAIN_BATCH (16), ANCHORS (256), LR (1e-4), DEV_EVERY (150), SAVE_EVERY (150),
-# PREP_EXTRA / TRAIN_EXTRA (more flags). For a CPU rehearsal here: DEVICE=cpu PY=.venv/bin/python THREADS=1 FD=/tmp/x
-# OUT=/tmp/y PREP_EXTRA="--max-samples N" TRAIN_EXTRA="--stop-after 5 …" FLASHDRAFT_KERNEL=0.
+# BATCH (128 prompts in flight), PREP_DTYPE (float32; bfloat16 answers join the store alike), TRAIN_BATCH (16),
+# ANCHORS (256), LR (1e-4), DEV_EVERY (150), SAVE_EVERY (150), PREP_EXTRA / TRAIN_EXTRA (more flags). For a CPU
+# rehearsal here: DEVICE=cpu PY=.venv/bin/python THREADS=1 FD=/tmp/x OUT=/tmp/y PREP_EXTRA="--max-samples N"
+# TRAIN_EXTRA="--stop-after 5 …" FLASHDRAFT_KERNEL=0.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -121,7 +122,7 @@ from pathlib import Path
 from flashdraft.train.data import dev_jsonl, in_dev_split, read_jsonl_prompts
 from flashdraft.train.prompts import (conversation_prompts, excluded, json_array_items, prompt_key, read_exclude,
                                       read_sharegpt, turns_of)
-from flashdraft.train.store import read_manifest, read_store_shard
+from flashdraft.train.store import answer_key, read_manifest, read_store_shard
 
 src, payload, store, want = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
 data = payload / "data"
@@ -130,7 +131,7 @@ texts = read_exclude([str(data / f"{n}.jsonl") for n in ("gsm8k_test", "mt_bench
 shards = read_manifest(store)["shards"]
 done = {k for e in shards for k in e["prompt_keys"]}
 shas = {e["target_sha256"] for e in shards}
-settings = {json.dumps(e["settings"], sort_keys=True) for e in shards}
+settings = {answer_key(e["settings"]) for e in shards}  # float32 and bfloat16 answers alike (docs/data.md)
 assert len(shas) == 1 and len(settings) == 1, f"the store holds {len(shas)} targets / {len(settings)} settings"
 last = max((e["prompt_index"][1] for e in shards if e["source"] == "sharegpt"), default=-1)
 
@@ -250,14 +251,15 @@ import hashlib, json, sys
 from pathlib import Path
 
 from flashdraft.atomic import write_bytes, write_text
-from flashdraft.train.store import CAP_MIB, MANIFEST, locked, manifest_text, next_file, read_manifest, store_bytes
+from flashdraft.train.store import (CAP_MIB, MANIFEST, answer_key, locked, manifest_text, next_file, read_manifest,
+                                    store_bytes)
 
 got, store = Path(sys.argv[1]), Path(sys.argv[2])
 with locked(store):  # as prepare's appends: one writer at a time
     mine, theirs = read_manifest(store), read_manifest(got)
     have = {(e["file"], e["sha256"]) for e in mine["shards"]}
     keys = {k for e in mine["shards"] for k in e["prompt_keys"]}
-    ids = {(e["target_sha256"], json.dumps(e["settings"], sort_keys=True)) for e in mine["shards"]}
+    ids = {(e["target_sha256"], answer_key(e["settings"])) for e in mine["shards"]}
     added = []
     for e in theirs["shards"]:
         if (e["file"], e["sha256"]) in have:
@@ -265,7 +267,7 @@ with locked(store):  # as prepare's appends: one writer at a time
         data = (got / e["file"]).read_bytes()
         if hashlib.sha256(data).hexdigest() != e["sha256"] or len(data) != e["bytes"]:
             sys.exit(f"gpu_round: {e['file']}: sha256 or size differs from the returned manifest")
-        if ids and (e["target_sha256"], json.dumps(e["settings"], sort_keys=True)) not in ids:
+        if ids and (e["target_sha256"], answer_key(e["settings"])) not in ids:
             sys.exit(f"gpu_round: {e['file']}: another target checksum or settings than the store's; not merged")
         if keys & set(e["prompt_keys"]):
             print(f"gpu_round: {e['file']}: {len(keys & set(e['prompt_keys']))} prompts already in the store; skipped")
@@ -394,7 +396,7 @@ print(f"check: torch {torch.__version__}, transformers {transformers.__version__
 from flashdraft.models import converted_dir, load_target
 from flashdraft.train.data import answer_prompts
 from flashdraft.train.prompts import encode_prompt
-from flashdraft.train.store import generation_settings, target_sha256
+from flashdraft.train.store import answer_key, generation_settings, target_sha256
 
 t = time.perf_counter()
 print(f"check: converted target {converted_dir('smollm2-135m-instruct')} ({time.perf_counter() - t:.0f} s)")
@@ -408,7 +410,7 @@ if sha != chk["target_sha256"]:
     print(f"check: MISMATCH target checksum {sha[:12]}… here, {chk['target_sha256'][:12]}… in the store")
     ok = False
 settings = generation_settings(m, chk["settings"]["max_new_tokens"], 0.0, 0, True)
-if settings != chk["settings"]:
+if answer_key(settings) != answer_key(chk["settings"]):
     print(f"check: MISMATCH settings {settings} here, {chk['settings']} in the store")
     ok = False
 enc = []
@@ -443,7 +445,7 @@ prepare_cmd() {  # the store's own command (docs/data.md), with this round's fil
   local P=$FD/payload/data
   echo "$PY" -m flashdraft.cli prepare "$FD/tokens" --store --source "sharegpt=$P/sharegpt.json" \
     --prompts "$P/gsm8k_train.jsonl" --exclude "$P/gsm8k_test.jsonl" "$P/mt_bench.jsonl" "$P/alpaca_eval.jsonl" \
-    "$P/humaneval.jsonl" --max-new-tokens 256 --dtype float32 --temperature 0 --max-prompt-tokens 2048 \
+    "$P/humaneval.jsonl" --max-new-tokens 256 --dtype "${PREP_DTYPE:-float32}" --temperature 0 --max-prompt-tokens 2048 \
     --batch-size "${BATCH:-128}" --shard-size 64 --device "$DEVICE" ${THREADS:+--threads $THREADS} ${PREP_EXTRA:-}
 }
 

@@ -155,15 +155,16 @@ def generation_settings(model, max_new_tokens: int, temperature: float, seed: in
             "seed": seed if temperature > 0 else None, "chat": chat}
 
 
-def same_answers(a: dict, b: dict) -> bool:
-    """Whether two shards' settings ask for the same answers: all but the dtype, which is recorded but only moves
-    the answers at near-ties (a store grown at float32 goes on at bfloat16 where that is faster, docs/data.md)."""
-    return {k: v for k, v in a.items() if k != "dtype"} == {k: v for k, v in b.items() if k != "dtype"}
+def answer_key(settings: dict) -> str:
+    """The settings that ask for a prompt's answer, as one string: all but the dtype, which is recorded but only
+    moves the answers at near-ties (a store grown at float32 goes on at bfloat16 where that is faster, docs/data.md)."""
+    return json.dumps({k: v for k, v in settings.items() if k != "dtype"}, sort_keys=True)
 
 
 def done_keys(manifest: dict, target_sha: str, settings: dict) -> set[str]:
     """Prompts already answered by this target with these settings, at any dtype."""
-    return {k for e in manifest["shards"] if e["target_sha256"] == target_sha and same_answers(e["settings"], settings)
+    key = answer_key(settings)
+    return {k for e in manifest["shards"] if e["target_sha256"] == target_sha and answer_key(e["settings"]) == key
             for k in e["prompt_keys"]}
 
 
@@ -313,8 +314,9 @@ def store_dev_files(store: str | Path, sources: list[str] | None = None) -> list
 def store_summary(store: Path, target_sha: str | None = None, settings: dict | None = None) -> dict:
     """Counts from the manifest: all shards, and those of one target and settings (at any dtype)."""
     shards = read_manifest(store)["shards"]
+    key = answer_key(settings or {})
     mine = [e for e in shards
-            if target_sha is None or (e["target_sha256"] == target_sha and same_answers(e["settings"], settings))]
+            if target_sha is None or (e["target_sha256"] == target_sha and answer_key(e["settings"]) == key)]
     by_source: dict[str, int] = {}
     for e in mine:
         by_source[e["source"]] = by_source.get(e["source"], 0) + e["sequences"]
