@@ -412,8 +412,8 @@ def test_sigterm_finishes_admitted_work_cancels_the_rest_and_exits_0(request, di
     target, drafter = dirs
     srv = start(request, "--target", str(target), "--drafter", str(drafter), "--shutdown-timeout", "5")
     client = client_for(srv)
-    # 1,000 tokens: ~0.8 s alone here, so the long request joins while it runs (at 200, 0.15 s, it once ended first
-    # in a full-suite run), and well inside --shutdown-timeout on a slower machine
+    # 1,000 tokens, so the long request joins while it runs: 200 took 0.15 s alone here and once ended before the
+    # join in a full-suite run; 1,000 stay well inside --shutdown-timeout on a slower machine
     want = client.completions.create(model=MODEL, prompt="short", max_tokens=1000, temperature=0).choices[0].text
     short = client.completions.create(model=MODEL, prompt="short", max_tokens=1000, temperature=0, stream=True)
     first = next(iter(short))
