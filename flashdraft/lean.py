@@ -56,7 +56,8 @@ class LeanModel:
     scaling: float
     pack: bool
     fused: bool  # norms and SiLU·up through flashdraft's fused CPU ops (packed float32 with the kernels built)
-    ragged_kernel: bool  # plain steps attend through csrc/attention.cpp (float32 or bfloat16 on CPU, kernels built)
+    ragged_kernel: bool  # decode widths attend through csrc/attention.cpp (float32 or bfloat16 on CPU, kernels built,
+    # head dim a multiple of 16)
     params: list[torch.nn.Parameter]  # the source weights (walking the module tree per forward costs ms); a
     # Parameter replaced by a new object is not seen: call target.use_lean again after such surgery
     stamp: tuple  # their storage and version when the fused copies were taken
@@ -124,7 +125,8 @@ def lean_model(model: PreTrainedModel, pack: bool = False) -> LeanModel | None:
     fused = pack and native and w.dtype == torch.float32
     return LeanModel(layers, model.model.embed_tokens, model.model.rotary_emb, model.model.norm.weight.detach(),
                      _weight(w), cfg.rms_norm_eps, heads, getattr(cfg, "num_key_value_heads", None) or heads,
-                     a.head_dim, a.scaling, pack, fused, native and w.dtype in (torch.float32, torch.bfloat16), params,
+                     a.head_dim, a.scaling, pack, fused,
+                     native and w.dtype in (torch.float32, torch.bfloat16) and a.head_dim % 16 == 0, params,
                      stamp(params))
 
 
@@ -147,15 +149,16 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
 
 
-# Positions per row up to which attention runs the ragged kernel: plain decode steps. Wider blocks stay on SDPA, whose
-# matmuls beat the kernel's per-dot lane sums there (8 rows × 4: 711 against 368 µs a layer; 8 × 1: 168 against 176,
-# and 5–8 ms less per forward, docs/bench/forward-profile).
-RAGGED_MAX_WIDTH = 1
+# Positions per row up to which attention runs the ragged kernel: plain steps and verifies of up to 8 positions (the
+# default block 4, a drafter's trained block 8), so that such a verify attends bit for bit as the plain steps it
+# replaces. Wider forwards stay on SDPA, whose matmuls win from 16 positions on at long contexts (8 rows × 16 at ~1000
+# positions: 245 against 277 ms a forward; docs/bench/forward-profile, *Verifies on the ragged kernel*).
+RAGGED_MAX_WIDTH = 8
 
 
 def ragged(lm: LeanModel, width: int) -> bool:
     """Whether a forward of `width` positions per row attends with the ragged kernel (csrc/attention.cpp): float32
-    or bfloat16 on CPU with the kernels built, at decode widths."""
+    or bfloat16 on CPU with the kernels built, at decode and verify widths."""
     return lm.ragged_kernel and width <= RAGGED_MAX_WIDTH
 
 

@@ -3,6 +3,7 @@ with its linears on oneDNN's packed matmul, on flashdraft's matvec kernel with t
 ragged attention kernels, in one run; optionally vLLM's plain step on the same machine.
 
     python scripts/profile_forward.py --out docs/bench/forward-profile [--vllm]
+    python scripts/profile_forward.py --verify-attention --out docs/bench/forward-profile [--context 1000]
 
 Each cell: the median wall time of `--reps` forwards on a ragged batch cache (rows of ~`--context` positions, as the
 server holds them), and the profiler's self time by kind of op, per forward: linears, attention, cache writes,
@@ -124,17 +125,47 @@ def table(results: dict[str, list[dict]], vllm: dict[int, float] | None) -> str:
     return "\n".join(lines) + "\n"
 
 
+VERIFY_CELLS = ((1, 4), (1, 8), (2, 4), (2, 8), (8, 4), (8, 8), (8, 16), (1, 32))
+
+
+def verify_attention(model, context: int, reps: int, layer_ids: list[int]) -> str:
+    """Wall ms of verify-width forwards with attention on SDPA (plain steps only on the ragged kernel, as before
+    2026-12-07) against the ragged kernel up to 64 positions, the two alternating, the best of two runs each."""
+    saved = L.RAGGED_MAX_WIDTH
+    lines = [f"| rows × width (context ~{context}) | SDPA ms | ragged kernel ms | SDPA / kernel |", "|---|---|---|---|"]
+    for rows, width in VERIFY_CELLS:
+        walls: dict[int, list[float]] = {1: [], 64: []}
+        for _ in range(2):
+            for most in walls:
+                L.RAGGED_MAX_WIDTH = most
+                walls[most].append(measure(model, rows, width, context, reps, layer_ids)["wall_ms"])
+        sdpa, kernel = min(walls[1]), min(walls[64])
+        lines.append(f"| {rows} × {width} | {sdpa:.1f} | {kernel:.1f} | {sdpa / kernel:.2f}× |")
+        print(lines[-1], file=sys.stderr, flush=True)
+    L.RAGGED_MAX_WIDTH = saved
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default=None)
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--vllm", action="store_true", help="also time vLLM's plain step (make vllm)")
+    ap.add_argument("--verify-attention", action="store_true",
+                    help="only compare verify widths' attention: SDPA against the ragged kernel")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     tgt = load_target(args.target)
     model, lean = tgt.model, tgt.model.flashdraft_lean
     layer_ids = [1, T.num_layers(model) - 3]  # features as a two-layer drafter takes them
+    if args.verify_attention:
+        text = verify_attention(model, args.context, args.reps, layer_ids)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        write_text(out / f"verify-attention-{args.context}.md", text)
+        print(text, end="")
+        return 0
     results = {}
     before, os.environ["FLASHDRAFT_KERNEL"] = os.environ.get("FLASHDRAFT_KERNEL"), "0"
     onednn = L.lean_model(model, pack=True)  # the same lean forward with its linears packed for oneDNN instead

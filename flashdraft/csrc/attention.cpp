@@ -3,11 +3,12 @@
 //
 // torch's SDPA takes the batch padded to its longest row under an additive mask [N, 1, W, keys]: every row pays for
 // the longest one, and the mask is built and read each layer. Here row n reads exactly lens[n] + W keys, each
-// once for all the queries of its group of heads (grouped-query attention). Work is split over (row, kv head)
-// pairs only: a query's scores, softmax and weighted sum run over its keys in order, so its output does not depend
-// on the other rows, the block width or the number of threads. float32, or bfloat16 read into float32 lanes (the
-// scores, softmax and sums in float32, the output rounded once, as SDPA's CPU kernel does); any strides with a
-// contiguous last dim.
+// once for all the queries of its group of heads (grouped-query attention), 16 keys at a time. Work is split over
+// (row, kv head) pairs only, and every sum runs in an order fixed by the key's position alone (a key's dot, the
+// softmax's lanes, Σ p·v in key order): a query's output does not depend on the other rows, the block width or the
+// number of threads, so a verify attends bit for bit as the plain steps it replaces. float32, or bfloat16 read into
+// float32 lanes (the scores, softmax and sums in float32, the output rounded once, as SDPA's CPU kernel does); any
+// strides with a contiguous last dim that is a multiple of 16.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -26,11 +27,7 @@ constexpr int64_t kLanes = 16;
 typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t ivec __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
-inline vec splat(float c) {
-  vec v;
-  for (int64_t l = 0; l < kLanes; ++l) v[l] = c;
-  return v;
-}
+inline vec splat(float c) { return vec{c, c, c, c, c, c, c, c, c, c, c, c, c, c, c, c}; }  // one broadcast
 
 inline vec load(const float* p) {
   vec v;
@@ -58,15 +55,42 @@ inline float hsum(vec v) {
   return v[0];
 }
 
-// Σ x[d]·k[d]: 16 lanes of fused multiply-adds, the lanes as a tree, then the tail.
-template <typename T>
-inline float dot(const float* x, const T* k, int64_t D) {
-  vec acc = {};
-  int64_t d = 0;
-  for (; d + kLanes <= D; d += kLanes) acc += load(x + d) * load(k + d);
-  float s = hsum(acc);
-  for (; d < D; ++d) s += x[d] * static_cast<float>(k[d]);
-  return s;
+inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof(vec)); }
+
+// Lanes l and l + h of each group of 2h lanes (one key each) of a and b summed into groups of h, a's and b's groups
+// interleaved: one level of `hsum`'s tree for 2·(8 / h) keys at once.
+template <int h>
+inline vec fold(vec a, vec b) {
+  ivec lo, hi;
+  for (int l = 0; l < kLanes; ++l) {
+    const int group = l / h, src = (group % 2) * kLanes + (group / 2) * 2 * h + l % h;
+    lo[l] = src;
+    hi[l] = src + h;
+  }
+  return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
+}
+
+// Sixteen dots' lanes summed at once: lane u of the result is hsum(a[u]) bit for bit (the same pairs in the same
+// tree), in 15 two-vector folds instead of 64 one-vector shuffles.
+inline vec hsum16(const vec* a) {
+  vec x[8], y[4], z[2];
+  for (int k = 0; k < 8; ++k) x[k] = fold<8>(a[k], a[k + 8]);  // x[k]: keys k, k + 8
+  for (int k = 0; k < 4; ++k) y[k] = fold<4>(x[k], x[k + 4]);  // y[k]: keys k, k + 4, k + 8, k + 12
+  for (int k = 0; k < 2; ++k) z[k] = fold<2>(y[k], y[k + 2]);  // z[k]: keys k, k + 2, ..., k + 14
+  return fold<1>(z[0], z[1]);                                  // keys 0 .. 15 in order
+}
+
+// Up to 16 cache rows (stride apart) as float32 rows of D: the rows themselves for float32, else converted into
+// buf [16, D] once for all the queries that read them. Rows past m repeat row 0 (scored, never used).
+inline void rows_as_float(const float* p, int64_t stride, int64_t m, int64_t, float*, const float** out) {
+  for (int64_t u = 0; u < kLanes; ++u) out[u] = p + (u < m ? u : 0) * stride;
+}
+inline void rows_as_float(const at::BFloat16* p, int64_t stride, int64_t m, int64_t D, float* buf, const float** out) {
+  for (int64_t u = 0; u < kLanes; ++u) {
+    out[u] = buf + (u < m ? u : 0) * D;
+    if (u < m)
+      for (int64_t d = 0; d < D; d += kLanes) store(buf + u * D + d, load(p + u * stride + d));
+  }
 }
 
 // Cephes' expf on 16 lanes (relative error ~1e-7 on [-87, 88]); every lane computes exactly the same way.
@@ -102,6 +126,7 @@ torch::Tensor ragged_attention_of(const torch::Tensor& q_in, const torch::Tensor
   const int64_t N = q.size(0), H = q.size(1), W = q.size(2), D = q.size(3), KVH = keys.size(1), P = keys.size(2);
   TORCH_CHECK(keys.size(0) >= N && values.size(0) >= N && H % KVH == 0 && keys.size(3) == D && values.size(3) == D &&
               values.size(1) == KVH && values.size(2) >= P, "ragged_attention: shapes do not match");
+  TORCH_CHECK(D % kLanes == 0, "ragged_attention: the head dimension must be a multiple of 16");
   const auto lens = lens_in.to(at::kLong).contiguous();
   const auto see = see_in.to(at::kBool).contiguous();
   TORCH_CHECK(lens.numel() == N && see.numel() == N * W * W, "ragged_attention: lens [N], see [N, W, W]");
@@ -113,52 +138,70 @@ torch::Tensor ragged_attention_of(const torch::Tensor& q_in, const torch::Tensor
   const T* kp = keys.data_ptr<T>();
   const T* vp = values.data_ptr<T>();
   float* op = out.data_ptr<float>();
-  const int64_t G = H / KVH, Q = G * W;  // queries per (row, kv head)
+  const int64_t G = H / KVH, Q = G * W;  // queries per (row, kv head): query i is head g·G + i / W at block j = i % W
   const float fscale = static_cast<float>(scale), ninf = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, N * KVH, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> scores, acc(Q * D), total(Q);
+    std::vector<float> scores, acc(Q * D), total(Q), buf(kLanes * D);
     std::vector<const float*> qrow(Q);
+    const float* r16[kLanes];
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n = b / KVH, g = b % KVH, len = lp[n], L = len + W;
       const T* kb = kp + n * keys.stride(0) + g * keys.stride(1);
       const T* vb = vp + n * values.stride(0) + g * values.stride(1);
       const int64_t ks = keys.stride(2), vs = values.stride(2);
-      for (int64_t h = 0; h < G; ++h)
-        for (int64_t j = 0; j < W; ++j)
-          qrow[h * W + j] = qp + n * q.stride(0) + (g * G + h) * q.stride(1) + j * q.stride(2);
+      for (int64_t i = 0; i < Q; ++i) qrow[i] = qp + n * q.stride(0) + (g * G + i / W) * q.stride(1) + i % W * q.stride(2);
       const int64_t Lp = (L + kLanes - 1) / kLanes * kLanes;  // each query's scores padded to whole vectors
       scores.assign(Q * Lp, ninf);  // [Q, Lp]; a key a query may not see stays -inf
-      for (int64_t t = 0; t < L; ++t) {  // each key row read once for all the queries of its group
-        const T* k = kb + t * ks;
-        for (int64_t i = 0; i < Q; ++i)
-          if (t < len || sp[(n * W + i % W) * W + (t - len)]) scores[i * Lp + t] = dot(qrow[i], k, D) * fscale;
+      for (int64_t t0 = 0; t0 < L; t0 += kLanes) {  // 16 key rows read once for all the queries of the group
+        const int64_t m = std::min(kLanes, L - t0);
+        rows_as_float(kb + t0 * ks, ks, m, D, buf.data(), r16);
+        for (int64_t i = 0; i < Q; ++i) {
+          vec a[kLanes] = {};
+          for (int64_t d = 0; d < D; d += kLanes) {
+            const vec x = load(qrow[i] + d);
+            for (int64_t u = 0; u < kLanes; ++u) a[u] += x * load(r16[u] + d);
+          }
+          const vec r = hsum16(a) * splat(fscale);
+          float* s = scores.data() + i * Lp + t0;
+          if (t0 + kLanes <= len) {
+            store(s, r);
+          } else {
+            const bool* seen = sp + (n * W + i % W) * W;  // seen[m]: query i sees block key len + m
+            for (int64_t u = 0; u < m; ++u)
+              if (t0 + u < len || seen[t0 + u - len]) s[u] = r[u];
+          }
+        }
       }
-      for (int64_t i = 0; i < Q; ++i) {  // softmax over each query's keys: max, exp lane by lane, sum in order
+      for (int64_t i = 0; i < Q; ++i) {  // softmax over each query's keys: max, then exp and sum lane by lane
         float* s = scores.data() + i * Lp;
+        vec mv = splat(ninf);
+        for (int64_t t = 0; t < Lp; t += kLanes) {
+          const vec x = load(s + t);
+          mv = x > mv ? x : mv;
+        }
         float m = ninf;
-        for (int64_t t = 0; t < L; ++t) m = std::max(m, s[t]);
+        for (int64_t l = 0; l < kLanes; ++l) m = std::max(m, mv[l]);
+        vec sum = {};
         for (int64_t t = 0; t < Lp; t += kLanes) {
           const vec x = load(s + t), e = exp16(x - splat(m));
           const vec p = x == splat(ninf) ? splat(0.f) : e;  // a masked key weighs exactly nothing
-          std::memcpy(s + t, &p, sizeof(vec));
+          store(s + t, p);
+          sum += p;
         }
-        float sum = 0.f;
-        for (int64_t t = 0; t < L; ++t) sum += s[t];
-        total[i] = sum;
+        total[i] = hsum(sum);
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < L; ++t) {  // Σ p·v, each value row read once for all queries
-        const T* v = vb + t * vs;
+      for (int64_t t0 = 0; t0 < L; t0 += kLanes) {  // Σ p·v in key order, 16 value rows read once for all queries
+        const int64_t m = std::min(kLanes, L - t0);
+        rows_as_float(vb + t0 * vs, vs, m, D, buf.data(), r16);
         for (int64_t i = 0; i < Q; ++i) {
-          const float p = scores[i * Lp + t];
-          if (p == 0.f) continue;
+          const float* p = scores.data() + i * Lp + t0;  // 0 where masked: adds exactly nothing
           float* a = acc.data() + i * D;
-          int64_t d = 0;
-          for (; d + kLanes <= D; d += kLanes) {
-            const vec r = load(a + d) + splat(p) * load(v + d);
-            std::memcpy(a + d, &r, sizeof(vec));
+          for (int64_t d = 0; d < D; d += kLanes) {
+            vec r = load(a + d);
+            for (int64_t u = 0; u < m; ++u) r += splat(p[u]) * load(r16[u] + d);
+            store(a + d, r);
           }
-          for (; d < D; ++d) a[d] += p * static_cast<float>(v[d]);
         }
       }
       for (int64_t i = 0; i < Q; ++i) {
