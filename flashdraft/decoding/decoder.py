@@ -71,8 +71,8 @@ class Decoder:
         self.cycle_log = open(log, "a", buffering=1) if log else None
         self.vocab = T.vocab_size(model)
         # threads.py: fewer threads while other processes hold cores, where that cannot change a rounding: the fused
-        # float32 forward attends single positions with the ragged kernel (torch's attention splits one query's keys
-        # across threads) and its other ops give every output to one thread
+        # float32 forward attends plain steps and verifies with the ragged kernel (torch's attention splits one query's
+        # keys across threads) and its other ops give every output to one thread
         lm = lean.current(model)
         self.follow_load = self.device.type == "cpu" and lm is not None and lm.fused
 
