@@ -175,7 +175,7 @@ torch::Tensor ragged_attention_of(const torch::Tensor& q_in, const torch::Tensor
           if (t0 + kLanes <= len) {
             store(s, r);
           } else {
-            const bool* seen = sp + (n * W + i % W) * W;  // seen[m]: query i sees block key len + m
+            const bool* seen = sp + (n * W + i % W) * W;  // seen[c]: query i sees block key len + c
             for (int64_t u = 0; u < m; ++u)
               if (t0 + u < len || seen[t0 + u - len]) s[u] = r[u];
           }
