@@ -159,10 +159,10 @@ def main() -> int:
     tgt = load_target(args.target)
     model, lean = tgt.model, tgt.model.flashdraft_lean
     layer_ids = [1, T.num_layers(model) - 3]  # features as a two-layer drafter takes them
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     if args.verify_attention:
         text = verify_attention(model, args.context, args.reps, layer_ids)
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
         write_text(out / f"verify-attention-{args.context}.md", text)
         print(text, end="")
         return 0
@@ -184,8 +184,6 @@ def main() -> int:
         print(table({name: results[name]}, None), file=sys.stderr, flush=True)
     model.flashdraft_lean, L.RAGGED_MAX_WIDTH = lean, ragged_max
     vllm = vllm_steps(resolve_target(tgt.name), [1, 8], args.context) if args.vllm else None
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     write_text(out / "profile.json", json.dumps({"config": vars(args), "torch": results, "vllm_step_ms": vllm},
                                                 indent=1) + "\n")
     write_text(out / "profile.md", table(results, vllm))
