@@ -444,13 +444,13 @@ def test_a_body_that_trickles_gets_408():
 @pytest.mark.parametrize("flag,value,match", [
     ("max_connections", 0, "--max-connections must be > 0"), ("body_timeout", 0, "--body-timeout must be > 0"),
     ("api_key", " ", "--api-key is empty"), ("allowed_hosts", "a*b.com", "--allowed-hosts"),
-    ("threads", 0, "--threads must be >= 1"),
+    ("threads", 0, "--threads must be >= 1"), ("prefix_cache_mib", -1, "--prefix-cache-mib must be >= 0"),
 ])
 def test_access_flags_are_checked(flag, value, match):
     args = SimpleNamespace(engine="torch", vllm_args=None, print_command=False, port=0, max_queue=1, max_batch=1,
                            prefill_chunk=256, request_timeout=1, shutdown_timeout=1, max_body_bytes=1,
                            default_max_tokens=1, max_connections=1, body_timeout=1, block_size=None, api_key=None, allowed_hosts=None,
-                           threads=None)
+                           threads=None, prefix_cache_mib=0)
     setattr(args, flag, value)
     with pytest.raises(FlashdraftError, match=match):
         check_options(args)

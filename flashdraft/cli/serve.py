@@ -45,6 +45,10 @@ def add_serve(sub) -> None:
                    help=f"prompt tokens per prefill pass: a longer prompt joins over several cycles, so the streams "
                         f"already decoding stall for one chunk at a time, not the whole prefill (default "
                         f"{PREFILL_CHUNK})")
+    p.add_argument("--prefix-cache-mib", type=float, default=1024.0,
+                   help="keep recent prompts' whole prefill chunks (K/V and drafter features) up to this many MiB, so a "
+                        "prompt that extends one (the next turn of a chat, a shared system prompt) prefills only the "
+                        "rest; outputs are bit for bit the same (default 1024, 0 = off)")
     p.add_argument("--fixed-block", action="store_true",
                    help="verify each request's full block every cycle (default: greedy requests' widths adapt to the "
                         "measured load, docs/adaptive.md); its cycles then equal flashdraft generate's")
@@ -78,7 +82,7 @@ def check_options(args) -> None:
         raise FlashdraftError("--vllm-args and --print-command are for --engine vllm")
     if not 0 <= args.port <= 65535:
         raise FlashdraftError(f"--port must be in 0..65535, got {args.port}")
-    for name in ("max_queue",):
+    for name in ("max_queue", "prefix_cache_mib"):
         if getattr(args, name) < 0:
             raise FlashdraftError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     for name in ("max_batch", "prefill_chunk", "request_timeout", "shutdown_timeout", "max_body_bytes", "default_max_tokens",

@@ -88,6 +88,9 @@ def add_prepare(sub) -> None:
     p.add_argument("--topk", type=int, default=0, metavar="K",
                    help="also store the target's K most likely tokens and log-probs per response token (distillation)")
     p.add_argument("--threads", type=int, help="torch CPU threads (1 is fastest on a shared, busy machine)")
+    p.add_argument("--prefix-cache-mib", type=float, default=2048.0,  # train/data.py PREFIX_CACHE_MIB
+                   help="keep recent prompts' prefill K/V up to this many MiB, so a later turn of a conversation "
+                        "prefills only its new part (the same tokens, bit for bit; default 2048, 0 = off)")
     p.set_defaults(func=cmd_prepare)
 
 
@@ -101,6 +104,8 @@ def check_prepare_args(args) -> tuple[list[int] | None, tuple[int, int]]:
         raise FlashdraftError(f"--max-turns must be >= 0 (0 = all), got {args.max_turns}")
     if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
         raise FlashdraftError(f"--max-prompt-tokens must be >= 1, got {args.max_prompt_tokens}")
+    if not args.prefix_cache_mib >= 0:
+        raise FlashdraftError(f"--prefix-cache-mib must be >= 0 (0 = off), got {args.prefix_cache_mib}")
     if not args.store_cap_mib > 0:
         raise FlashdraftError(f"--store-cap-mib must be > 0, got {args.store_cap_mib}")
     if args.store and (args.features or args.topk):
@@ -205,7 +210,7 @@ def prepare_dir_cmd(args, sources, layer_ids, part) -> int:
     s = prepare(target, kept, args.out, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                 batch_size=args.batch_size, shard_size=args.shard_size, seed=args.seed,
                 feature_layer_ids=layer_ids if args.features else None, chat=not args.no_chat, sources=names,
-                topk=args.topk, part=part, dev=dev)
+                topk=args.topk, part=part, dev=dev, prefix_cache_mib=args.prefix_cache_mib)
     rate = (f", {s['tokens_per_s']:.1f} generated tok/s over {s['seconds']:.0f} s this run"
             if s["generated_tokens_this_run"] else "")
     print(f"flashdraft: {s['sequences']} sequences ({s['unfinished']} cut at --max-new-tokens), {s['tokens']} tokens "
@@ -225,7 +230,7 @@ def prepare_store_cmd(args, sources, part) -> int:
     s = prepare_store(target, srcs, args.out, max_samples=args.max_samples, max_prompt_tokens=args.max_prompt_tokens,
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, batch_size=args.batch_size,
                       shard_size=args.shard_size, seed=args.seed, chat=not args.no_chat,
-                      part=part, cap_mib=args.store_cap_mib)
+                      part=part, cap_mib=args.store_cap_mib, prefix_cache_mib=args.prefix_cache_mib)
     print(f"flashdraft: {describe(s, Path(args.out), args.store_cap_mib)}", file=sys.stderr)
     return 0
 

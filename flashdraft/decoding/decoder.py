@@ -30,6 +30,7 @@ from ..heap import trim_heap
 from ..target_batch import BatchCache, forward_batch, supports_batch
 from .adaptive import Acceptance, AdaptivePolicy, FixedPolicy, Row, pooled_acceptance
 from .loop import accept, pick
+from .prefixes import PrefixCache
 from .proposers import (LoopProposer, Proposal, Proposer, as_proposer, chain_from_pass, graft, lookup_proposal,
                         no_drafts, tree_from_pass)
 from .request import Cycle, GenerationResult, Request
@@ -48,12 +49,15 @@ class Decoder:
     slots: rows allocated up front (more grow them); 1, or a target whose layers do not all use full attention,
     means one request at a time on its own cache (`capacity` 1). prefill_chunk: prompt tokens prefilled per cycle
     (None: a whole prompt at join). layer_ids: target layers whose features are kept (default: the drafter's).
+    prefixes: recent prompts' whole prefill chunks (prefixes.py, made for this prefill_chunk), so that a prompt
+    extending one prefills only the rest; it may outlive the decoder.
     hook(request) runs after a request's prefill and after each of its cycles (tests check cache alignment).
     """
 
     def __init__(self, model: PreTrainedModel, drafter: DFlashDrafter | None, settings: DecodeSettings | None = None,
                  adaptive: bool = True, slots: int = 8, prefill_chunk: int | None = PREFILL_CHUNK,
-                 layer_ids: list[int] | None = None, hook: Callable[[Request], None] | None = None):
+                 layer_ids: list[int] | None = None, hook: Callable[[Request], None] | None = None,
+                 prefixes: PrefixCache | None = None):
         self.model, self.drafter, self.device, self.hook = model, drafter, model.device, hook
         self.settings = (settings or DecodeSettings()).validate()
         self.ragged = supports_batch(model)  # every layer full attention: rows can share a ragged cache
@@ -62,6 +66,9 @@ class Decoder:
         self.active: list[Request] = []
         self.joining: list[Request] = []  # prompts being prefilled, oldest first
         self.prefill_chunk = prefill_chunk
+        if prefixes is not None and prefixes.chunk != prefill_chunk:  # reuse is exact only at the same boundaries
+            raise FlashdraftError(f"a prefix cache of {prefixes.chunk}-token chunks needs prefill_chunk={prefixes.chunk}")
+        self.prefixes = prefixes
         self.layer_ids = list(layer_ids if layer_ids is not None else
                               drafter.config.target_layer_ids if drafter is not None else [])
         block = self.settings.resolve(drafter.config.block_size if drafter else None).block_size
@@ -116,9 +123,13 @@ class Decoder:
     def prefill(self, q: Request) -> Cycle | None:
         """The next chunk of q's prompt through the target (alone, into its own cache); after the last one, its first
         token and its row in the batch → its first-token Cycle (None while chunks remain)."""
+        t0 = now(self.device)
+        if q.prefilled == 0 and self.prefixes is not None:
+            q.prefilled, feats = self.prefixes.restore(self.prompt(q), q.target_cache, self.keeps_features(q))
+            if feats is not None:
+                q.add_pending(feats)
         a = q.prefilled
         b = q.num_prompt_tokens if self.prefill_chunk is None else min(a + self.prefill_chunk, q.num_prompt_tokens)
-        t0 = now(self.device)
         out = T.forward(self.model, torch.tensor(q.tokens[a:b], device=self.device), a, q.target_cache,
                         self.layer_ids, logits_to_keep=1)
         if self.layer_ids:
@@ -128,6 +139,9 @@ class Decoder:
             q.timing.prefill_s += now(self.device) - t0
             return None
         self.joining.remove(q)
+        if self.prefixes is not None:
+            feats = torch.cat(q.pending_features) if self.keeps_features(q) else None
+            self.prefixes.add(self.prompt(q), q.target_cache, feats)
         first = pick(out.logits[-1], q.settings.sampling, q.gen)
         q.position = b
         q.timing.prefill_s += now(self.device) - t0
@@ -142,6 +156,14 @@ class Decoder:
         if q.done:
             q.target_cache = None
         return cycle
+
+    @staticmethod
+    def prompt(q: Request) -> torch.Tensor:
+        return torch.tensor(q.tokens[: q.num_prompt_tokens])
+
+    def keeps_features(self, q: Request) -> bool:
+        """Whether q keeps its prompt's features (Request.add_pending): it drafts, from these target layers."""
+        return bool(self.layer_ids) and q.settings.block_size > 1
 
     def drop(self, rows: list[int]) -> None:
         """Take these rows out of the batch (a ragged cache refills holes from the end: follow its order)."""
@@ -389,16 +411,19 @@ def generate_ids(model: PreTrainedModel, drafter: torch.nn.Module | None, prompt
 
 def decode_stream(model: PreTrainedModel, drafter: DFlashDrafter | None, prompts: list[list[int]],
                   settings: DecodeSettings | list[DecodeSettings] | None = None, *, adaptive: bool = True,
-                  max_batch: int | None = None, **overrides) -> Iterator[tuple[int, GenerationResult]]:
+                  max_batch: int | None = None, prefix_cache_mib: float = 0,
+                  **overrides) -> Iterator[tuple[int, GenerationResult]]:
     """(prompt index, result) as each prompt finishes: continuous batching, at most max_batch at a time, prompts
-    taken in list order. settings: one DecodeSettings for all, or one per prompt; keyword overrides apply to all."""
+    taken in list order. settings: one DecodeSettings for all, or one per prompt; keyword overrides apply to all.
+    prefix_cache_mib: Decoder's (a prompt extending a recent one prefills only the rest)."""
     per = settings if isinstance(settings, list) else [settings] * len(prompts)
     if len(per) != len(prompts):
         raise FlashdraftError(f"{len(per)} settings for {len(prompts)} prompts; give one, or one per prompt")
     if max_batch is not None and max_batch < 1:
         raise FlashdraftError(f"max_batch must be >= 1, got {max_batch}")
     dec = Decoder(model, drafter, settings_from(per[0] if per else None, **overrides), adaptive,
-                  slots=min(max_batch or len(prompts), len(prompts)) or 1)
+                  slots=min(max_batch or len(prompts), len(prompts)) or 1,
+                  prefixes=PrefixCache.of_mib(PREFILL_CHUNK, prefix_cache_mib))
     limit = min(max_batch or len(prompts), dec.capacity or len(prompts))
     waiting = list(range(len(prompts)))[::-1]  # pop() takes the next
     while waiting or dec.busy:

@@ -66,6 +66,8 @@ class Collector:
             ("accepted_tokens", CounterMetricFamily, m.accepted, "Sum of acceptance lengths."),
             ("decode_seconds", CounterMetricFamily, m.decode_s, "Seconds spent decoding completed requests."),
             ("mean_tau", GaugeMetricFamily, tau, "Mean acceptance length over all cycles so far."),
+            ("prefix_cached_tokens", CounterMetricFamily, stats.prefix_tokens,
+             "Prompt tokens not prefilled: whole chunks reused from a recent prompt (--prefix-cache-mib)."),
             ("generated_tokens", CounterMetricFamily, stats.tokens, "Tokens decoded for any request, finished or not."),
             ("tokens_per_second", GaugeMetricFamily, stats.tokens_per_s(), "Tokens decoded per second, last 10 s."),
             ("batch_steps", CounterMetricFamily, stats.steps, "Batched cycles (one verify for the whole batch)."),

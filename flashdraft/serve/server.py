@@ -31,7 +31,7 @@ def run_server(args, key: str | None, hosts: list[str]) -> int:
     target = load_target(args.target, dtype=args.dtype, device=device)
     drafter = load_drafter_or_plain(target, args.drafter, args.block_size)
     worker = Worker(target, drafter, settings, args.max_batch, adaptive=not args.fixed_block,
-                    prefill_chunk=args.prefill_chunk, threads=threads)
+                    prefill_chunk=args.prefill_chunk, threads=threads, prefix_cache_mib=args.prefix_cache_mib)
     limits = Limits(args.max_queue, args.request_timeout, args.max_body_bytes, args.shutdown_timeout, args.body_timeout)
     scheduler = Scheduler(worker, limits)
     model_id = args.served_model_name or served_name(args.target)

@@ -18,6 +18,7 @@ import torch
 from .. import target as T
 from ..decoding import Cycle, DecodeSettings, Decoder, GenerationResult, Request
 from ..decoding.settings import PREFILL_CHUNK
+from ..decoding.prefixes import PrefixCache
 from ..models import Target
 from ..target_batch import supports_batch
 
@@ -218,6 +219,7 @@ class Stats:
     def __init__(self):
         self.lock, self.started = threading.Lock(), time.monotonic()
         self.batch = self.steps = self.rows = self.tokens = 0
+        self.prefix_tokens = 0  # prompt tokens not prefilled thanks to the prefix cache
         self.sizes = dict.fromkeys(BATCH_BUCKETS, 0)  # steps with at most this many rows (cumulative when read)
         self.recent: deque[list[int]] = deque(maxlen=int(RATE_WINDOW_S) + 1)  # [second, tokens emitted in it]
 
@@ -254,7 +256,7 @@ class Worker:
 
     def __init__(self, target: Target, drafter: torch.nn.Module | None, settings: DecodeSettings = DecodeSettings(),
                  max_batch: int = 8, adaptive: bool = True, tokens: PerThread | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK, threads: int | None = None):
+                 prefill_chunk: int = PREFILL_CHUNK, threads: int | None = None, prefix_cache_mib: float = 0):
         self.target, self.drafter, self.settings = target, drafter, settings.validate()
         self.threads = threads  # torch threads of the decode thread (None: as the process has them; threads.hand_over)
         self.block_size = settings.resolve(drafter.config.block_size if drafter is not None else None).block_size
@@ -262,6 +264,7 @@ class Worker:
         self.batched = supports_batch(target.model)
         self.max_batch, self.adaptive = (max_batch if self.batched else 1), adaptive
         self.prefill_chunk = prefill_chunk
+        self.prefixes = PrefixCache.of_mib(prefill_chunk, prefix_cache_mib)  # kept when a decoder is replaced
         self.tokens = tokens or PerThread(target.tokenizer)
         self.inbox: queue.Queue[Job | None] = queue.Queue()
         self.live: list[Job] = []  # the worker's: jobs in the batch
@@ -269,9 +272,10 @@ class Worker:
         self.thread: threading.Thread | None = None
 
     def decoder(self) -> Decoder:
-        """A fresh decoder (one request at a time where the target cannot batch: sliding-window layers)."""
+        """A fresh decoder (one request at a time where the target cannot batch: sliding-window layers), with the
+        worker's prefix cache."""
         return Decoder(self.target.model, self.drafter, self.settings, adaptive=self.adaptive, slots=self.max_batch,
-                       prefill_chunk=self.prefill_chunk)
+                       prefill_chunk=self.prefill_chunk, prefixes=self.prefixes)
 
     def settings_for(self, req: GenRequest) -> DecodeSettings:
         """req's settings: the same as flashdraft.generate_ids gets (so outputs are identical)."""
@@ -311,6 +315,7 @@ class Worker:
                 dec = self.decoder()
                 continue
             self.stats.step(len(results), sum(len(c.emitted) for _, c in results))
+            self.stats.prefix_tokens = self.prefixes.reused_tokens if self.prefixes else 0
             for seq, cycle in results:
                 seq.key.batch = max(seq.key.batch, len(results))
                 if seq.error is not None:  # that row left the batch; the others went on
@@ -324,6 +329,7 @@ class Worker:
         first request's decoder would take them for the machine's costs."""
         model = self.target.model
         dec, vocab, limit = self.decoder(), T.vocab_size(model), T.context_limit(model)
+        dec.prefixes = None  # made-up prompts: nothing to keep
         try:
             for prompt, new in WARM_UP:
                 dec.join([(7 * i + 3) % vocab for i in range(min(prompt, limit // 2))],

@@ -38,6 +38,7 @@ from ..jsonl import read_records
 from .prompts import PROMPT_KEYS, Conversation, encode_prompt, first_turn
 
 DATA_FORMAT = "flashdraft-data-v1"
+PREFIX_CACHE_MIB = 2048.0  # recent prompts' prefill K/V kept: later turns of a conversation prefill only their new part
 
 
 @dataclass
@@ -192,16 +193,17 @@ def target_passes(model, seqs: list[torch.Tensor], layer_ids: list[int] | None, 
 
 def answer_prompts(model, enc: list[list[int]], order: list[int], *, rows: int, max_new_tokens: int,
                    temperature: float, stop_ids: list[int], seed: int, layer_ids: list[int] | None,
-                   topk: int) -> Iterator[tuple[int, Sequence]]:
+                   topk: int, prefix_cache_mib: float = PREFIX_CACHE_MIB) -> Iterator[tuple[int, Sequence]]:
     """(prompt index, its Sequence) as answers finish: the target's own plain decoding through the batched decoder
-    (at most `rows` in flight, prompts taken in `order`); features and top-k, when asked for, from one teacher-forced
-    forward per `rows` finished answers."""
+    (at most `rows` in flight, prompts taken in `order`; a prompt extending a recent one prefills only the rest, bit
+    for bit the same); features and top-k, when asked for, from one teacher-forced forward per `rows` finished answers."""
     stops = tuple(stop_ids)
     # each prompt its own sampler seed, so its answer does not depend on which prompts share its batch
     settings = [DecodeSettings(block_size=1, lookup=False, max_new_tokens=max_new_tokens, temperature=temperature,
                                seed=seed * 1_000_003 + k, stop_token_ids=stops) for k in order]
     done: list[tuple[int, Sequence]] = []
-    for i, r in decode_stream(model, None, [enc[k] for k in order], settings, adaptive=False, max_batch=rows):
+    for i, r in decode_stream(model, None, [enc[k] for k in order], settings, adaptive=False, max_batch=rows,
+                              prefix_cache_mib=prefix_cache_mib):
         k = order[i]
         ids = torch.tensor(enc[k] + r.output_ids, dtype=torch.long)
         mask = torch.arange(len(ids)) >= len(enc[k])
@@ -351,9 +353,8 @@ def human_bytes(n: float) -> str:
 def prepare(target, prompts: list[Conversation], out_dir: str | Path, *, max_new_tokens: int = 256,
             temperature: float = 0.0, batch_size: int = 16, shard_size: int = 256, seed: int = 0,
             feature_layer_ids: list[int] | None = None, chat: bool = True, sources: list[str] | None = None,
-            progress: bool = True, topk: int = 0,
-            part: tuple[int, int] = (0, 1),
-            dev: list[str] | None = None) -> dict:
+            progress: bool = True, topk: int = 0, part: tuple[int, int] = (0, 1), dev: list[str] | None = None,
+            prefix_cache_mib: float = PREFIX_CACHE_MIB) -> dict:
     """Generate target responses for prompts into sharded token files under out_dir; returns a summary dict.
 
     batch_size is the number of prompts in flight (the batched decoder: a finished row takes the next prompt at once).
@@ -382,7 +383,8 @@ def prepare(target, prompts: list[Conversation], out_dir: str | Path, *, max_new
     t0 = time.perf_counter()
     new_tokens = fill_shards(target, out, chunks, todo, shard_size=shard_size, rows=batch_size,
                              max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, chat=chat,
-                             layer_ids=feature_layer_ids, topk=topk, progress=progress)
+                             layer_ids=feature_layer_ids, topk=topk, progress=progress,
+                             prefix_cache_mib=prefix_cache_mib)
     return data_stats(out, time.perf_counter() - t0, new_tokens)
 
 
@@ -437,7 +439,7 @@ def check_context(model, enc: list[list[int]], index: list[int], max_new_tokens:
 
 def fill_shards(target, out: Path, chunks: dict[int, list[Conversation]], todo: list[int], *, shard_size: int,
                 rows: int, max_new_tokens: int, temperature: float, seed: int, chat: bool,
-                layer_ids: list[int] | None, topk: int, progress: bool) -> int:
+                layer_ids: list[int] | None, topk: int, progress: bool, prefix_cache_mib: float) -> int:
     """Answer the prompts of the shards in `todo` and write each shard as it completes; returns new tokens."""
     from tqdm import tqdm
 
@@ -449,7 +451,8 @@ def fill_shards(target, out: Path, chunks: dict[int, list[Conversation]], todo: 
                desc="prepare", smoothing=0.05)
     new_tokens = 0
     for k, seqs in answer_chunks(target, enc, rows=rows, max_new_tokens=max_new_tokens,
-                                 temperature=temperature, seed=seed, layer_ids=layer_ids, topk=topk, bar=bar):
+                                 temperature=temperature, seed=seed, layer_ids=layer_ids, topk=topk, bar=bar,
+                                 prefix_cache_mib=prefix_cache_mib):
         write_shard(shard_dir(out, todo[k]), seqs, chunks[todo[k]])
         new_tokens += sum(int(s.loss_mask.sum()) for s in seqs)
     bar.close()
@@ -458,7 +461,7 @@ def fill_shards(target, out: Path, chunks: dict[int, list[Conversation]], todo: 
 
 def answer_chunks(target, enc: list[list[list[int]]], *, rows: int, max_new_tokens: int,
                   temperature: float, seed: int, layer_ids: list[int] | None, topk: int,
-                  bar) -> Iterator[tuple[int, list[Sequence]]]:
+                  bar, prefix_cache_mib: float = PREFIX_CACHE_MIB) -> Iterator[tuple[int, list[Sequence]]]:
     """(chunk position, its sequences) as each chunk of encoded prompts is answered; one stream over all chunks."""
     # One stream over every chunk, each chunk's prompts shortest first: rows of the next chunk start while the last
     # long answers of the previous one finish, so the batch never drains between shards.
@@ -470,7 +473,7 @@ def answer_chunks(target, enc: list[list[list[int]]], *, rows: int, max_new_toke
     new_tokens, done, t0 = 0, 0, time.perf_counter()
     for k, seq in answer_prompts(target.model, flat, order, rows=rows, max_new_tokens=max_new_tokens,
                                  temperature=temperature, stop_ids=target.stop_token_ids(), seed=seed,
-                                 layer_ids=layer_ids, topk=topk):
+                                 layer_ids=layer_ids, topk=topk, prefix_cache_mib=prefix_cache_mib):
         i, j = where[k]
         seqs[i][j] = seq
         left[i] -= 1

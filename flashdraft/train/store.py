@@ -38,8 +38,8 @@ import torch
 from .. import target as T
 from ..atomic import write_bytes, write_text
 from ..errors import FlashdraftError
-from .data import (Sequence, answer_chunks, check_alike, check_prepare_settings, data_dirs, dev_jsonl,
-                   human_bytes, interleave, load_sequences, read_meta)
+from .data import (PREFIX_CACHE_MIB, Sequence, answer_chunks, check_alike, check_prepare_settings, data_dirs,
+                   dev_jsonl, human_bytes, interleave, load_sequences, read_meta)
 from .prompts import Conversation, encode_prompt, prompt_key
 
 STORE_FORMAT = "flashdraft-tokens-v1"
@@ -372,7 +372,7 @@ def prepare_store(target, sources: list[Source], store: str | Path, *, max_sampl
                   max_prompt_tokens: int | None = None, max_new_tokens: int = 256, temperature: float = 0.0,
                   batch_size: int = 16, shard_size: int = 256, seed: int = 0, chat: bool = True,
                   part: tuple[int, int] = (0, 1), cap_mib: float = CAP_MIB,
-                  progress: bool = True, log: Callable[[str], None] | None = None) -> dict:
+                  prefix_cache_mib: float = PREFIX_CACHE_MIB, progress: bool = True, log: Callable[[str], None] | None = None) -> dict:
     """Answer the sources' prompts not yet in the store (same target checksum and settings) and append them as
     shards; returns store_summary() plus this run's generated tokens, seconds and rate."""
     from tqdm import tqdm
@@ -403,7 +403,7 @@ def prepare_store(target, sources: list[Source], store: str | Path, *, max_sampl
     t0, new_tokens = time.perf_counter(), 0
     for k, seqs in answer_chunks(target, [[t.ids for t in c] for c in chunks], rows=batch_size,
                                  max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, layer_ids=None,
-                                 topk=0, bar=bar):
+                                 topk=0, bar=bar, prefix_cache_mib=prefix_cache_mib):
         append_shard(store, chunks[k][0].source, seqs, chunks[k], info, T.vocab_size(model), cap)
         new_tokens += sum(int(s.loss_mask.sum()) for s in seqs)
     bar.close()
