@@ -85,18 +85,19 @@ class PrefixCache:
         m = min(len(prompt), cache.get_seq_length()) // self.chunk * self.chunk if reusable(cache) else 0
         if m == 0:
             return
-        ids = prompt[:m].clone()
-        for key in [k for k, e in self.entries.items() if len(e.ids) <= m and torch.equal(e.ids, ids[:len(e.ids)])]:
-            self.drop(key)  # what it holds, this entry holds too
-        keys = [L.keys[..., :m, :].clone() for L in cache.layers]
-        values = [L.values[..., :m, :].clone() for L in cache.layers]
-        feats = features[:m].clone() if features is not None and len(features) >= m else None
-        nbytes = sum(t.numel() * t.element_size() for t in keys + values + ([feats] if feats is not None else []))
+        views = [L.keys[..., :m, :] for L in cache.layers] + [L.values[..., :m, :] for L in cache.layers]
+        feats = features[:m] if features is not None and len(features) >= m else None
+        nbytes = sum(t.numel() * t.element_size() for t in views + ([feats] if feats is not None else []))
         if nbytes > self.budget:
             return
+        ids = prompt[:m].clone()
+        for key in [k for k, e in self.entries.items() if len(e.ids) <= m and torch.equal(e.ids, ids[:len(e.ids)])
+                    and (feats is not None or e.features is None)]:
+            self.drop(key)  # what it holds, this entry holds too
         while self.nbytes + nbytes > self.budget:
             self.drop(next(iter(self.entries)))
-        self.entries[next(self.serial)] = Prefix(ids, keys, values, feats, nbytes)
+        n, kv = len(cache.layers), [t.clone() for t in views]
+        self.entries[next(self.serial)] = Prefix(ids, kv[:n], kv[n:], None if feats is None else feats.clone(), nbytes)
         self.nbytes += nbytes
 
     def drop(self, key: int) -> None:
