@@ -260,6 +260,7 @@ def test_cli_sharegpt_into_a_prepared_directory_drops_long_prompts(tiny_dir, tmp
     (["--store", "--features", "--source", "sharegpt"], "keeps ids only"),
     (["--max-turns", "-1", "--source", "sharegpt"], "--max-turns must be >= 0"),
     (["--store-cap-mib", "0", "--source", "sharegpt"], "--store-cap-mib must be > 0"),
+    (["--prefix-cache-mib", "-1", "--source", "sharegpt"], "--prefix-cache-mib must be >= 0 (0 = off)"),
 ])
 def test_bad_prepare_input_is_one_line_exit_2(argv, msg, tmp_path, capsys, monkeypatch):
     import sys
