@@ -159,6 +159,7 @@ class Decoder:
 
     @staticmethod
     def prompt(q: Request) -> torch.Tensor:
+        """q's prompt ids [P]."""
         return torch.tensor(q.tokens[: q.num_prompt_tokens])
 
     def keeps_features(self, q: Request) -> bool:
@@ -415,7 +416,7 @@ def decode_stream(model: PreTrainedModel, drafter: DFlashDrafter | None, prompts
                   **overrides) -> Iterator[tuple[int, GenerationResult]]:
     """(prompt index, result) as each prompt finishes: continuous batching, at most max_batch at a time, prompts
     taken in list order. settings: one DecodeSettings for all, or one per prompt; keyword overrides apply to all.
-    prefix_cache_mib: Decoder's (a prompt extending a recent one prefills only the rest)."""
+    prefix_cache_mib: MiB of recent prompts' prefill chunks kept (prefixes.py): a prompt extending one prefills the rest."""
     per = settings if isinstance(settings, list) else [settings] * len(prompts)
     if len(per) != len(prompts):
         raise FlashdraftError(f"{len(per)} settings for {len(prompts)} prompts; give one, or one per prompt")
