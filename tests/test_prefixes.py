@@ -125,11 +125,11 @@ def test_the_cache_keeps_whole_chunks_within_its_budget_and_never_the_last_token
 
     # an entry with features is not replaced by a longer one without (a plain request after a speculative one)
     pc = PrefixCache(CHUNK, budget=1 << 20)
-    pc.add(a[:32], ca, torch.ones(40, 8))
+    pc.add(a[:32], ca, [torch.ones(40, 8)])
     pc.add(a, ca, None)
     assert sorted((len(e.ids), e.features is not None) for e in pc.entries.values()) == [(32, False), (32, True)]
     assert pc.usable(a, need_features=True)[0].features is not None and pc.usable(a, need_features=True)[1] == 32
-    pc.add(a, ca, torch.ones(40, 8))  # the same with features: both older ones go
+    pc.add(a, ca, [torch.ones(30, 8), torch.ones(10, 8)])  # the same with features: both older ones go
     assert [(len(e.ids), e.features is not None) for e in pc.entries.values()] == [(32, True)]
 
 

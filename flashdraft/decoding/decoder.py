@@ -140,8 +140,7 @@ class Decoder:
             return None
         self.joining.remove(q)
         if self.prefixes is not None:
-            feats = torch.cat(q.pending_features) if self.keeps_features(q) else None
-            self.prefixes.add(self.prompt(q), q.target_cache, feats)
+            self.prefixes.add(self.prompt(q), q.target_cache, q.pending_features if self.keeps_features(q) else None)
         first = pick(out.logits[-1], q.settings.sampling, q.gen)
         q.position = b
         q.timing.prefill_s += now(self.device) - t0

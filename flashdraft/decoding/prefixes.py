@@ -80,11 +80,13 @@ class PrefixCache:
         self.reused_tokens += m
         return m, e.features[:m] if e.features is not None else None
 
-    def add(self, prompt: torch.Tensor, cache: DynamicCache, features: torch.Tensor | None) -> None:
-        """Keep the whole chunks of a prefilled prompt's cache (copied: the request goes on writing its own)."""
+    def add(self, prompt: torch.Tensor, cache: DynamicCache, features: list[torch.Tensor] | None) -> None:
+        """Keep the whole chunks of a prefilled prompt's cache (copied: the request goes on writing its own);
+        features: its prompt's pieces [n_i, F], or None."""
         m = min(len(prompt), cache.get_seq_length()) // self.chunk * self.chunk if reusable(cache) else 0
-        if m == 0:
+        if m == 0:  # most prompts: shorter than a chunk, nothing joined or copied
             return
+        features = torch.cat(features) if features else None
         views = [L.keys[..., :m, :] for L in cache.layers] + [L.values[..., :m, :] for L in cache.layers]
         feats = features[:m] if features is not None and len(features) >= m else None
         nbytes = sum(t.numel() * t.element_size() for t in views + ([feats] if feats is not None else []))
