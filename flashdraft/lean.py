@@ -164,12 +164,14 @@ def ragged(lm: LeanModel, width: int) -> bool:
 
 def lean_forward(lm: LeanModel, ids: torch.Tensor, pos: torch.Tensor, cache: DynamicCache,
                  mask: torch.Tensor | None, layer_ids: list[int], logits_to_keep: int = 0,
-                 rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """ids, pos [N, W] on top of cache (K/V appended by each cache layer's update; mask: additive
     [N, 1, W, keys] or None for plain causal over one row; rows: instead of a mask, where `ragged` allows, each row's
     committed positions lens [N] and what its block's positions see of the block, see [N, W, W] bool, for the ragged
     kernel) → (float32 logits [N, W or keep, V], features
-    [N, W, F] = hidden_states[i + 1] for i in layer_ids, or None)."""
+    [N, W, F] = hidden_states[i + 1] for i in layer_ids, or None). logits=False: features only, and the layers after
+    the last of layer_ids do not run (logits come back None)."""
     n, w = ids.shape
     x = lm.embed(ids)
     cos, sin = lm.rotary(x, pos)
@@ -180,7 +182,8 @@ def lean_forward(lm: LeanModel, ids: torch.Tensor, pos: torch.Tensor, cache: Dyn
     norm = torch.ops.flashdraft.rms_norm if lm.fused else rms_norm
     act = torch.ops.flashdraft.silu_mul if lm.fused else silu_mul
     feats: dict[int, torch.Tensor] = {}
-    for i, L in enumerate(lm.layers):
+    stop = max(layer_ids, default=last) + 1 if not logits and last not in layer_ids else len(lm.layers)
+    for i, L in enumerate(lm.layers[:stop]):
         qkv = packed.linear(norm(x, L.input_norm, lm.eps), L.qkv, L.qkv_bias)
         q = qkv[..., :hq].view(n, w, lm.heads, d)
         k = qkv[..., hq:hq + hk].view(n, w, lm.kv_heads, d)
@@ -201,10 +204,14 @@ def lean_forward(lm: LeanModel, ids: torch.Tensor, pos: torch.Tensor, cache: Dyn
         x = x + packed.linear(act(packed.linear(norm(x, L.post_norm, lm.eps), L.gate_up)), L.down)
         if i in layer_ids:
             feats[i] = x
+    if stop < len(lm.layers):
+        return None, torch.cat([feats[j] for j in layer_ids], -1)
     x = norm(x, lm.norm, lm.eps)
     if last in feats:  # HF's last hidden state is the normed one
         feats[last] = x
     features = torch.cat([feats[j] for j in layer_ids], -1) if layer_ids else None
+    if not logits:
+        return None, features
     keep = x if logits_to_keep == 0 else x[:, -logits_to_keep:]
     return packed.linear(keep, lm.head).float(), features
 

@@ -27,7 +27,7 @@ from flashdraft.train.mask import eligible_anchors, pad_anchors, sample_anchors,
 from flashdraft.train.batches import step_indices
 from flashdraft.train.build import pick_mask_token_id
 from flashdraft.train.config import TrainConfig
-from flashdraft.train.forward import drafter_hidden
+from flashdraft.train.forward import drafter_hidden, micro_inputs, target_features
 from flashdraft.train.mask import block_labels
 from flashdraft.train.trainer import train
 
@@ -188,6 +188,27 @@ def test_training_forward_matches_draft_block(tiny_llama, over):
             assert torch.allclose(train_logits[j], naive, atol=1e-4, rtol=1e-4)
     labels = block_labels(ids, anchors, B)
     assert labels[0, 1].tolist() == ids[0, 12:19].tolist()
+
+
+@pytest.mark.parametrize("layer_ids", [[0, 2], [1, 3]])  # [0, 2]: layer 3 never runs; [1, 3]: the last, normed
+def test_training_features_per_sequence_equal_the_padded_batch(tiny_llama, layer_ids):
+    """Online features (one causal lean pass per sequence, stopping after the last feature layer) equal the target's
+    right-padded Hugging Face batch at every real position and are zero on padding."""
+    from flashdraft.train.data import Sequence, right_pad
+    g = torch.Generator().manual_seed(4)
+    seqs = [Sequence(torch.randint(0, VOCAB - 1, (n,), generator=g), torch.ones(n, dtype=torch.bool))
+            for n in (37, 9, 60)]
+    raw = random_drafter(tiny_llama)
+    raw.config.target_layer_ids = layer_ids
+    cfg = tiny_cfg(Path("."), Path("."))
+    got = micro_inputs(tiny_llama, raw, seqs, cfg, torch.device("cpu"), torch.float32)
+    ids, attn = right_pad([s.input_ids for s in seqs])
+    want, _ = target_features(tiny_llama, ids, attn, layer_ids, False)
+    assert torch.equal(got.ids, ids) and got.feats.shape == want.shape
+    for i, s in enumerate(seqs):
+        n = len(s.input_ids)
+        torch.testing.assert_close(got.feats[i, :n], want[i, :n], atol=1e-4, rtol=1e-4)
+        assert not got.feats[i, n:].any()
 
 
 def test_loop_stage_training_forward_matches_inference(tiny_llama):
