@@ -920,26 +920,6 @@ def test_time_limit_stops_with_a_checkpoint(data_dir, tiny_dir, tmp_path, monkey
     assert (tmp_path / "t" / "latest").read_text().strip() == f"step_{res.final_step:07d}"
 
 
-@pytest.mark.parametrize("layer,is_causal,window", [("full_attention", None, None), ("sliding_attention", None, 3),
-                                                    ("sliding_attention", False, 5), ("full_attention", True, None)])
-def test_blockwise_attention_equals_dense_attention(layer, is_causal, window):
-    """Training attends per block (context + own block); it must equal dense SDPA under the training mask."""
-    from flashdraft.drafter import blockwise_attention
-    from flashdraft.train.mask import training_masks
-
-    torch.manual_seed(0)
-    b, H, L, n, d = 2, 3, 4, 20, 8
-    anchors = torch.tensor([[2, 7, 11], [5, 9, 15]])
-    T = anchors.shape[1] * L
-    mask = training_masks([layer], anchors, n, L, window, is_causal)[layer]
-    q, k_blk, v_blk = (torch.randn(b, H, T, d) for _ in range(3))
-    k_ctx, v_ctx = torch.randn(b, H, n, d), torch.randn(b, H, n, d)
-    dense = torch.nn.functional.scaled_dot_product_attention(q, torch.cat([k_ctx, k_blk], 2),
-                                                             torch.cat([v_ctx, v_blk], 2), attn_mask=mask)
-    torch.testing.assert_close(blockwise_attention(q, k_ctx, v_ctx, k_blk, v_blk, mask, L), dense,
-                               atol=1e-5, rtol=1e-5)
-
-
 def test_training_on_several_data_directories(data_dir, topk_dir, tiny_dir, tmp_path, capsys):
     """--data DIR --data DIR2 trains on both sets; directories prepared with other feature layers are refused."""
     from flashdraft.train.data import load_all
