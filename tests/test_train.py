@@ -865,6 +865,32 @@ def test_resume_rewinds_metrics_and_never_replaces_a_better_best(topk_dir, tiny_
     assert json.loads((out / "best" / "best.json").read_text())["dev_tau"] == 99.0
 
 
+def test_dev_rows_count_response_tokens_trained_on_across_resumes(topk_dir, tiny_dir, tmp_path):
+    """The τ-vs-tokens curve's x axis: dev rows carry the response tokens of every sequence trained on so far, and a
+    resumed run carries the count on (a checkpoint that never counted them gives rows without it)."""
+    from flashdraft.train.batches import prepare_sequences
+    from flashdraft.train.build import build_or_load_drafter
+
+    target = load_target(str(tiny_dir))
+    out = tmp_path / "run"
+    cfg = dict(offline=True, log_every=1, dev_every=2, dev_samples=1, dev_max_new_tokens=4, save_every=2)
+    train(tiny_cfg(topk_dir, out, steps=2, **cfg), target=target, log=lambda *a, **k: None)
+    train(tiny_cfg(topk_dir, out, steps=4, resume=True, extend=True, **cfg), target=target, log=lambda *a, **k: None)
+    full = tiny_cfg(topk_dir, out, steps=4, **cfg)
+    train_seqs, _ = prepare_sequences(full, build_or_load_drafter(full, target).config, VOCAB)
+    per_step = [sum(int(train_seqs[i].loss_mask.sum()) for i in step_indices(k, len(train_seqs), 4, full.seed))
+                for k in range(4)]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    dev = {r["step"]: r["response_tokens"] for r in rows if "dev_tau" in r}
+    assert dev == {0: 0, 2: sum(per_step[:2]), 4: sum(per_step)} and per_step[0] > 0
+    state = torch.load(out / "step_0000004" / "train_state.pt", weights_only=False)
+    del state["response_tokens"]
+    torch.save(state, out / "step_0000004" / "train_state.pt")
+    train(tiny_cfg(topk_dir, out, steps=6, resume=True, extend=True, **cfg), target=target, log=lambda *a, **k: None)
+    last = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()][-1]
+    assert last["step"] == 6 and "dev_tau" in last and "response_tokens" not in last
+
+
 def test_dev_prompts_interleave_every_data_directory(tiny_dir, tmp_path):
     """With several --data directories, dev τ is measured on all their dev splits, round-robin, so checkpoint
     selection weighs every training source; --dev-prompts overrides them."""

@@ -146,6 +146,7 @@ class StepBatch:
     plans: list[StagePlan]
     n_blocks: float  # stage-1 anchor blocks of the global batch
     vocab_ids: torch.Tensor | None
+    response_tokens: int  # of the global batch's sequences (the curve's x axis: response tokens trained on)
 
 
 def step_stages(cfg: TrainConfig, step: int) -> list[int]:
@@ -180,4 +181,5 @@ def step_batch(cfg: TrainConfig, data: TrainData, step: int, rank: int, world: i
     if data.frequent is not None:  # the same ids on every rank: labels of the global batch, generator of the step
         vocab_ids = loss_vocabulary(data.frequent, torch.cat(labels), cfg.loss_vocab // 4, data.vocab,
                                     anchor_generator(cfg.seed, step, -1))
-    return StepBatch([data.train[i] for i in idx[rank::world]], plans, n_blocks, vocab_ids)
+    response_tokens = sum(int(data.train[i].loss_mask.sum()) for i in idx)
+    return StepBatch([data.train[i] for i in idx[rank::world]], plans, n_blocks, vocab_ids, response_tokens)

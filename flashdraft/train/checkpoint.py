@@ -35,10 +35,10 @@ def step_dir(out: Path, step: int) -> Path:
 
 
 def save_checkpoint(out: Path, step: int, drafter: nn.Module, opt, sched, cfg: TrainConfig, n_seqs: int,
-                    cpu_s: float = 0.0, best: dict | None = None) -> Path:
+                    cpu_s: float = 0.0, best: dict | None = None, response_tokens: int | None = None) -> Path:
     """OUT/step_N: z-lab drafter files + train_state.pt, atomically; then OUT/latest and pruning."""
     path = step_dir(out, step)
-    state = {"step": step, "num_sequences": n_seqs, "cpu_s": cpu_s, "best": best,
+    state = {"step": step, "num_sequences": n_seqs, "cpu_s": cpu_s, "best": best, "response_tokens": response_tokens,
              "model": {k: v.detach().cpu().clone() for k, v in drafter.state_dict().items()},
              "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "config": asdict(cfg),
              "rng": {"torch": torch.get_rng_state(),
@@ -107,11 +107,12 @@ def restore(state: dict, drafter: nn.Module, opt, sched) -> None:
 
 @dataclass
 class ResumePoint:
-    """Where a run starts: its first step, the CPU seconds already spent and the best dev row so far."""
+    """Where a run starts: its first step, the CPU seconds and response tokens already spent, the best dev row."""
 
     step: int = 0
     cpu_s: float = 0.0
     best: dict | None = None
+    response_tokens: int | None = 0  # None: a checkpoint written before they were counted
 
 
 def check_data_size(state: dict, n_seqs: int, cfg: TrainConfig, say) -> None:
@@ -141,7 +142,8 @@ def resume(cfg: TrainConfig, out: Path, drafter: nn.Module, opt, sched, n_seqs: 
     restore(state, drafter, opt, sched)
     say(f"flashdraft: resumed from {ckpt} at step {state['step']}", file=sys.stderr)
     # OUT/best may be newer than the checkpoint (a run dies between the two): never replace it by a worse drafter
-    return ResumePoint(state["step"], state.get("cpu_s", 0.0), better(state.get("best"), read_best(out)))
+    return ResumePoint(state["step"], state.get("cpu_s", 0.0), better(state.get("best"), read_best(out)),
+                       state.get("response_tokens"))
 
 
 def read_best(out: Path) -> dict | None:

@@ -208,19 +208,27 @@ def dev_tau(drafter: nn.Module, dev: dict, max_new_tokens: int) -> tuple[float, 
     return (mean_acceptance(lengths) if lengths else float("nan")), len(lengths)
 
 
-def dev_row(drafter: nn.Module, dev: dict, cfg: TrainConfig, step: int, cpu_s: float) -> dict:
-    """A dev metrics row: τ at `step` with the CPU-hours spent so far."""
+def dev_row(drafter: nn.Module, dev: dict, cfg: TrainConfig, step: int, cpu_s: float,
+            response_tokens: int | None = None) -> dict:
+    """A dev metrics row: τ at `step` with the CPU-hours and (when counted) response tokens trained on so far."""
     was_training = drafter.training
     drafter.eval()
     t0 = time.perf_counter()
     tau, cycles = dev_tau(drafter, dev, cfg.dev_max_new_tokens)
     drafter.train(was_training)
-    return {"step": step, "dev_tau": tau, "dev_cycles": cycles, "cpu_hours": cpu_s / 3600,
-            "dev_s": time.perf_counter() - t0}
+    row = {"step": step, "dev_tau": tau, "dev_cycles": cycles, "cpu_hours": cpu_s / 3600,
+           "dev_s": time.perf_counter() - t0}
+    return row if response_tokens is None else {**row, "response_tokens": response_tokens}
 
 
 def dev_line(row: dict, best: dict, improved: bool, best_dir: Path) -> str:
     """The log line of a dev evaluation."""
     note = f"new best → {best_dir}" if improved else f"best {best['dev_tau']:.3f} at step {best['step']}"
     return (f"step {row['step']} | dev τ {row['dev_tau']:.3f} over {row['dev_cycles']} cycles ({row['dev_s']:.0f} s) "
-            f"| {row['cpu_hours']:.2f} CPU-h | {note}")
+            f"| {row['cpu_hours']:.2f} CPU-h{tokens_note(row)} | {note}")
+
+
+def tokens_note(row: dict) -> str:
+    """', 1.23M response tokens' when the row counts them."""
+    n = row.get("response_tokens")
+    return "" if n is None else f", {n / 1e6:.2f}M response tokens"

@@ -45,6 +45,7 @@ class StepStats:
     blocks: float  # global anchor blocks / world, so that the all-reduced sum is the global count
     tokens: int
     correct: list[torch.Tensor]  # per micro-batch, bool [M, B-1]
+    response_tokens: int  # of the global batch
 
 
 def train_step(cfg: TrainConfig, data: TrainData, step: int, models: Models, opt, sched, rt: Runtime) -> StepStats:
@@ -67,4 +68,5 @@ def train_step(cfg: TrainConfig, data: TrainData, step: int, models: Models, opt
     torch.nn.utils.clip_grad_norm_(models.drafter.parameters(), cfg.grad_clip)
     opt.step()
     sched.step()
-    return StepStats(num, batch.n_blocks / rt.world, sum(len(s.input_ids) for s in batch.seqs), correct)
+    return StepStats(num, batch.n_blocks / rt.world, sum(len(s.input_ids) for s in batch.seqs), correct,
+                     batch.response_tokens)

@@ -53,6 +53,7 @@ class Run:
     clock: Clock
     say: Callable[..., None]
     best: dict | None = None  # the dev row of OUT/best
+    response_tokens: int | None = 0  # trained on so far, across resumes (None: not counted before a resume)
 
 
 def train(cfg: TrainConfig, target=None, log=print) -> TrainResult:
@@ -75,7 +76,8 @@ def train(cfg: TrainConfig, target=None, log=print) -> TrainResult:
         rewind_metrics(out / "metrics.jsonl", start.step)  # no step twice in metrics.jsonl after a resume
     last_stop = cfg.steps if cfg.stop_after is None else min(cfg.steps, start.step + cfg.stop_after)
     dev = dev_setup(cfg, target, rt.is_main, say)
-    run = Run(cfg, rt, models, data, opt, sched, out, dev, Clock(start.cpu_s, rt.world), say, start.best)
+    run = Run(cfg, rt, models, data, opt, sched, out, dev, Clock(start.cpu_s, rt.world), say, start.best,
+              start.response_tokens)
     if dev is not None and start.step == 0:  # the curve's origin: the initial (e.g. --init-from) drafter
         dev_checkpoint(run, 0, start.cpu_s)
     run.clock.start(start.step)
@@ -87,7 +89,10 @@ def train(cfg: TrainConfig, target=None, log=print) -> TrainResult:
                 stop_early(run, step, start.step, why)
                 last_stop = step
                 break
-            meter.add(train_step(cfg, data, step, models, opt, sched, rt))
+            stats = train_step(cfg, data, step, models, opt, sched, rt)
+            meter.add(stats)
+            if run.response_tokens is not None:
+                run.response_tokens += stats.response_tokens
             done = step + 1
             if done % cfg.log_every == 0 or done == last_stop:
                 metrics = log_progress(run, meter, done, last_stop)
@@ -167,12 +172,12 @@ def stop_early(run: Run, step: int, start: int, why: str) -> None:
 def save(run: Run, step: int, cpu_s: float) -> Path:
     """OUT/step_N of the run now."""
     return save_checkpoint(run.out, step, run.models.drafter, run.opt, run.sched, run.cfg, run.data.n_seqs, cpu_s,
-                           run.best)
+                           run.best, run.response_tokens)
 
 
 def dev_checkpoint(run: Run, step: int, cpu_s: float) -> None:
     """Measure dev τ, keep OUT/best when it improves, log it and append its row to metrics.jsonl."""
-    row = dev_row(run.models.drafter, run.dev, run.cfg, step, cpu_s)
+    row = dev_row(run.models.drafter, run.dev, run.cfg, step, cpu_s, run.response_tokens)
     improved = run.best is None or row["dev_tau"] > run.best["dev_tau"]
     if improved:
         save_best(run.out, run.models.drafter, row, run.cfg.save_dtype)
