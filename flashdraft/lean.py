@@ -182,7 +182,7 @@ def lean_forward(lm: LeanModel, ids: torch.Tensor, pos: torch.Tensor, cache: Dyn
     norm = torch.ops.flashdraft.rms_norm if lm.fused else rms_norm
     act = torch.ops.flashdraft.silu_mul if lm.fused else silu_mul
     feats: dict[int, torch.Tensor] = {}
-    stop = max(layer_ids, default=last) + 1 if not logits and last not in layer_ids else len(lm.layers)
+    stop = len(lm.layers) if logits else max(layer_ids, default=last) + 1  # features only: no layer after the last
     for i, L in enumerate(lm.layers[:stop]):
         qkv = packed.linear(norm(x, L.input_norm, lm.eps), L.qkv, L.qkv_bias)
         q = qkv[..., :hq].view(n, w, lm.heads, d)
@@ -204,11 +204,10 @@ def lean_forward(lm: LeanModel, ids: torch.Tensor, pos: torch.Tensor, cache: Dyn
         x = x + packed.linear(act(packed.linear(norm(x, L.post_norm, lm.eps), L.gate_up)), L.down)
         if i in layer_ids:
             feats[i] = x
-    if stop < len(lm.layers):
-        return None, torch.cat([feats[j] for j in layer_ids], -1)
-    x = norm(x, lm.norm, lm.eps)
-    if last in feats:  # HF's last hidden state is the normed one
-        feats[last] = x
+    if stop == len(lm.layers):
+        x = norm(x, lm.norm, lm.eps)
+        if last in feats:  # HF's last hidden state is the normed one
+            feats[last] = x
     features = torch.cat([feats[j] for j in layer_ids], -1) if layer_ids else None
     if not logits:
         return None, features
