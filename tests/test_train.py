@@ -870,6 +870,7 @@ def test_dev_rows_count_response_tokens_trained_on_across_resumes(topk_dir, tiny
     resumed run carries the count on (a checkpoint that never counted them gives rows without it)."""
     from flashdraft.train.batches import prepare_sequences
     from flashdraft.train.build import build_or_load_drafter
+    from flashdraft.train.curve import dev_points
 
     target = load_target(str(tiny_dir))
     out = tmp_path / "run"
@@ -883,12 +884,17 @@ def test_dev_rows_count_response_tokens_trained_on_across_resumes(topk_dir, tiny
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     dev = {r["step"]: r["response_tokens"] for r in rows if "dev_tau" in r}
     assert dev == {0: 0, 2: sum(per_step[:2]), 4: sum(per_step)} and per_step[0] > 0
+    xs, ys, xlabel = dev_points(rows)  # the curve drawn to OUT/dev_tau.png: τ against millions of tokens
+    assert xs == [dev[k] / 1e6 for k in (0, 2, 4)] and ys == [r["dev_tau"] for r in rows if "dev_tau" in r]
+    assert xlabel.startswith("response tokens") and (out / "dev_tau.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     state = torch.load(out / "step_0000004" / "train_state.pt", weights_only=False)
     del state["response_tokens"]
     torch.save(state, out / "step_0000004" / "train_state.pt")
     train(tiny_cfg(topk_dir, out, steps=6, resume=True, extend=True, **cfg), target=target, log=lambda *a, **k: None)
     last = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()][-1]
     assert last["step"] == 6 and "dev_tau" in last and "response_tokens" not in last
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert dev_points(rows)[0] == [0, 2, 4, 6]  # a row without the count: the curve falls back to steps
 
 
 def test_dev_prompts_interleave_every_data_directory(tiny_dir, tmp_path):

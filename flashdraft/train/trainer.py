@@ -2,11 +2,12 @@
 
 The pieces: batches.py (what a step trains on), step.py (one optimizer step), evaluate.py (held-out and dev τ,
 the metrics row and log line), checkpoint.py (save, best, resume), setup.py (processes, device, target).
-OUT/metrics.jsonl gets one JSON line per progress row and per dev evaluation.
+OUT/metrics.jsonl gets one JSON line per progress row and per dev evaluation; OUT/dev_tau.png plots the dev rows.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from .batches import TrainData, frequent_tokens, training_data
 from .build import build_or_load_drafter
 from .checkpoint import resume, rewind_metrics, save_best, save_checkpoint, step_dir
 from .config import TrainConfig, check_config
+from .curve import draw_dev_curve
 from .data import data_dirs
 from .evaluate import Clock, Meter, append_row, dev_line, dev_row, dev_setup, held_out_row, log_line
 from .setup import Models, Runtime, barrier, dist_info, frozen_target, sigterm_flag, start_runtime, wrap_ddp
@@ -184,3 +186,5 @@ def dev_checkpoint(run: Run, step: int, cpu_s: float) -> None:
         run.best = row
     run.say(dev_line(row, run.best, improved, run.out / "best"), file=sys.stderr)
     append_row(run.out / "metrics.jsonl", row)
+    rows = [json.loads(line) for line in (run.out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    draw_dev_curve(rows, run.out / "dev_tau.png")
