@@ -14,7 +14,7 @@ def dev_points(rows: list[dict]) -> tuple[list[float], list[float], str]:
 
 
 def draw_dev_curve(rows: list[dict], png: Path) -> None:
-    """Write the curve of `rows` to `png` atomically (nothing with fewer than one dev row)."""
+    """Write the curve of `rows` to `png` atomically (nothing when there is no dev row)."""
     xs, ys, xlabel = dev_points(rows)
     if not xs:
         return
